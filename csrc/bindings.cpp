@@ -1,0 +1,98 @@
+// The compiled module is one thin layer: a Plan built from tensors, its
+// structure for the Python side (agreement, tests), and broadcast().
+#include <torch/extension.h>
+
+#include <unordered_map>
+
+#include "pipeline.h"
+#include "plan.h"
+
+namespace py = pybind11;
+using namespace coalesced_bcast;
+
+namespace {
+
+Plan build_plan(
+    const std::vector<at::Tensor>& tensors,
+    const std::vector<std::string>& names,
+    int64_t bucket_bytes,
+    int64_t ring_depth,
+    int64_t inplace_min_bytes,
+    int64_t coalesce_bytes,
+    int64_t rank) {
+  PlanOptions o;
+  o.bucket_bytes = bucket_bytes;
+  o.ring_depth = ring_depth;
+  o.inplace_min_bytes = inplace_min_bytes;
+  o.coalesce_bytes = coalesce_bytes;
+  o.rank = rank;
+  return make_plan(tensors, names, o);
+}
+
+// Per bucket: (unique index, tensor offset, bucket offset, bytes, strided).
+py::list bucket_table(const Plan& plan) {
+  std::unordered_map<uint64_t, int64_t> index;
+  for (size_t u = 0; u < plan.unique.size(); ++u) {
+    if (plan.unique[u].nbytes > 0) index[reinterpret_cast<uint64_t>(plan.unique[u].tensor.data_ptr())] = u;
+  }
+  py::list out;
+  for (const auto& b : plan.buckets) {
+    py::list ops;
+    for (int64_t i = b.first_op; i < b.first_op + b.num_ops; ++i) {
+      const auto& op = plan.ops[i];
+      ops.append(py::make_tuple(index.at(op.tensor_ptr), op.tensor_offset, op.bucket_offset, op.nbytes, op.layout >= 0));
+    }
+    out.append(py::make_tuple(b.nbytes, ops));
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "coalesced_bcast core: plan -> buckets -> pack -> broadcast -> unpack";
+  m.attr("with_cuda") = py::bool_(
+#ifdef WITH_CUDA
+      true
+#else
+      false
+#endif
+  );
+  m.def("dtype_name", [](int64_t code) { return std::string(c10::toString(static_cast<c10::ScalarType>(code))); });
+  m.attr("fingerprint_header") = kFingerprintHeader;
+  m.attr("fingerprint_record") = kFingerprintRecord;
+  py::class_<Plan>(m, "Plan")
+      .def(py::init(&build_plan), py::arg("tensors"), py::arg("names"), py::arg("bucket_bytes"),
+           py::arg("ring_depth"), py::arg("inplace_min_bytes"), py::arg("coalesce_bytes"), py::arg("rank"))
+      .def_property_readonly("num_inputs", [](const Plan& p) { return p.input_to_unique.size(); })
+      .def_property_readonly("num_unique", [](const Plan& p) { return p.unique.size(); })
+      .def_property_readonly("total_bytes", [](const Plan& p) { return p.total_bytes; })
+      .def_property_readonly("packed_bytes", [](const Plan& p) { return p.packed_bytes; })
+      .def_property_readonly("num_buckets", [](const Plan& p) { return p.buckets.size(); })
+      .def_property_readonly("num_inplace", [](const Plan& p) {
+        size_t n = 0;
+        for (const auto& g : p.inplace_groups) n += g.size();
+        return n;
+      })
+      .def_property_readonly("inplace_groups", [](const Plan& p) { return p.inplace_groups; })
+      .def_property_readonly("input_to_unique", [](const Plan& p) { return p.input_to_unique; })
+      .def_property_readonly("unique_first_input", [](const Plan& p) {
+        std::vector<int64_t> v;
+        for (const auto& u : p.unique) v.push_back(u.first_input);
+        return v;
+      })
+      .def_property_readonly("ring_slots", [](const Plan& p) { return p.ring_slots; })
+      .def_property_readonly("slot_bytes", [](const Plan& p) { return p.slot_bytes; })
+      .def("describe", &Plan::describe, py::arg("input"))
+      .def("fingerprint", &Plan::fingerprint)
+      .def("bucket_table", &bucket_table)
+      .def(
+          "broadcast",
+          [](const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t src, double timeout_s) {
+            auto timeout = timeout_s > 0 ? std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000))
+                                         : c10d::kUnsetTimeout;
+            auto stats = broadcast_plan(plan, pg, src, timeout);
+            return std::make_pair(stats.seconds, stats.ring_bytes);
+          },
+          py::arg("group"), py::arg("src"), py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>());
+}

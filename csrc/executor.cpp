@@ -1,0 +1,42 @@
+#include "executor.h"
+
+namespace coalesced_bcast {
+namespace {
+
+ExecutorFactory& cuda_factory() {
+  static ExecutorFactory factory = nullptr;
+  return factory;
+}
+
+// Everything inline on the calling thread: gloo's wait() has already
+// delivered a bucket by the time unpack runs.
+class CpuExecutor final : public Executor {
+ public:
+  explicit CpuExecutor(const Plan& plan) : plan_(plan) {}
+  void pack(int64_t bucket, at::Tensor slot) override {
+    copy_bucket_cpu(plan_, bucket, slot.data_ptr<uint8_t>(), /*pack=*/true);
+  }
+  void unpack(int64_t bucket, at::Tensor slot) override {
+    copy_bucket_cpu(plan_, bucket, slot.data_ptr<uint8_t>(), /*pack=*/false);
+  }
+
+ private:
+  const Plan& plan_;
+};
+
+}  // namespace
+
+bool register_cuda_executor(ExecutorFactory factory) {
+  cuda_factory() = factory;
+  return true;
+}
+
+std::unique_ptr<Executor> make_executor(const Plan& plan) {
+  if (plan.device.is_cpu()) return std::make_unique<CpuExecutor>(plan);
+  TORCH_CHECK_VALUE(
+      plan.device.is_cuda() && cuda_factory() != nullptr, "coalesced_bcast was built without CUDA support; got ",
+      plan.describe(0), " on ", plan.device);
+  return cuda_factory()(plan);
+}
+
+}  // namespace coalesced_bcast

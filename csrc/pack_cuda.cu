@@ -1,0 +1,133 @@
+// pack/unpack on the GPU: one launch per bucket, driven by the copy table.
+// Each block owns a fixed 32 KiB window of the bucket and finds the first run
+// that reaches into it by binary search; each thread then moves 16-byte units,
+// walking the (sorted) runs forward. Small tensors therefore cost no launches
+// of their own, and large runs are copied with full 16-byte words.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <climits>
+
+#include "copy_table.h"
+#include "pack_cuda.h"
+
+namespace coalesced_bcast {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kUnitsPerThread = 8;
+constexpr int64_t kChunk = kThreads * kAlign * kUnitsPerThread;
+
+// n <= 16 bytes, with the widest word that both ends and n are aligned to:
+// tensors that are views at odd offsets still copy correctly, just narrower.
+__device__ __forceinline__ void copy_small(uint8_t* dst, const uint8_t* src, int n) {
+  const auto a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(n);
+  if ((a & 15) == 0) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+  } else if ((a & 7) == 0) {
+    for (int i = 0; i < n; i += 8) *reinterpret_cast<uint64_t*>(dst + i) = *reinterpret_cast<const uint64_t*>(src + i);
+  } else if ((a & 3) == 0) {
+    for (int i = 0; i < n; i += 4) *reinterpret_cast<uint32_t*>(dst + i) = *reinterpret_cast<const uint32_t*>(src + i);
+  } else if ((a & 1) == 0) {
+    for (int i = 0; i < n; i += 2) *reinterpret_cast<uint16_t*>(dst + i) = *reinterpret_cast<const uint16_t*>(src + i);
+  } else {
+    for (int i = 0; i < n; ++i) dst[i] = src[i];
+  }
+}
+
+// Element offset (in elements) of logical element e of a strided tensor.
+__device__ __forceinline__ int64_t strided_offset(const Layout& l, int64_t e) {
+  int64_t off = 0;
+  for (int d = l.ndim - 1; d >= 0; --d) {
+    off += (e % l.sizes[d]) * l.strides[d];
+    e /= l.sizes[d];
+  }
+  return off;
+}
+
+template <bool kPack>
+__device__ __forceinline__ void copy_unit(
+    uint8_t* unit, const CopyOp& op, int64_t in_op, int n, const Layout* __restrict__ layouts) {
+  const int64_t toff = op.tensor_offset + in_op;
+  auto* tensor = reinterpret_cast<uint8_t*>(op.tensor_ptr);
+  if (op.layout < 0) {
+    if (kPack) {
+      copy_small(unit, tensor + toff, n);
+    } else {
+      copy_small(tensor + toff, unit, n);
+    }
+    return;
+  }
+  const Layout& l = layouts[op.layout];
+  const int es = op.elem_size;
+  for (int j = 0; j < n; j += es) {
+    uint8_t* elem = tensor + strided_offset(l, (toff + j) / es) * es;
+    if (kPack) {
+      copy_small(unit + j, elem, es);
+    } else {
+      copy_small(elem, unit + j, es);
+    }
+  }
+}
+
+template <bool kPack>
+__global__ void __launch_bounds__(kThreads) copy_bucket_kernel(
+    uint8_t* __restrict__ bucket,
+    int64_t nbytes,
+    const CopyOp* __restrict__ ops,
+    int64_t num_ops,
+    const Layout* __restrict__ layouts) {
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kChunk;
+  const int64_t end = min(begin + kChunk, nbytes);
+  __shared__ int64_t first;
+  if (threadIdx.x == 0) {
+    int64_t lo = 0, hi = num_ops;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (ops[mid].bucket_offset + ops[mid].nbytes <= begin) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    first = lo;
+  }
+  __syncthreads();
+  int64_t i = first;
+  if (i >= num_ops) return;
+  CopyOp op = ops[i];
+  for (int64_t pos = begin + threadIdx.x * kAlign; pos < end; pos += kThreads * kAlign) {
+    while (op.bucket_offset + op.nbytes <= pos) {
+      if (++i >= num_ops) return;
+      op = ops[i];
+    }
+    if (pos < op.bucket_offset) continue;  // alignment padding between runs
+    const int64_t in_op = pos - op.bucket_offset;
+    const int n = static_cast<int>(min(kAlign, op.nbytes - in_op));
+    copy_unit<kPack>(bucket + pos, op, in_op, n, layouts);
+  }
+}
+
+}  // namespace
+
+void launch_copy_bucket(
+    uint8_t* bucket,
+    int64_t nbytes,
+    const CopyOp* ops,
+    int64_t num_ops,
+    const Layout* layouts,
+    bool pack,
+    cudaStream_t stream) {
+  const int64_t blocks = (nbytes + kChunk - 1) / kChunk;
+  TORCH_CHECK(blocks > 0 && blocks <= INT_MAX, "bucket of ", nbytes, " bytes needs ", blocks, " blocks");
+  if (pack) {
+    copy_bucket_kernel<true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        bucket, nbytes, ops, num_ops, layouts);
+  } else {
+    copy_bucket_kernel<false><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        bucket, nbytes, ops, num_ops, layouts);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace coalesced_bcast

@@ -1,0 +1,22 @@
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "copy_table.h"
+
+namespace coalesced_bcast {
+
+// One launch copying a whole bucket between the ring slot and the tensors that
+// the bucket's runs (device-resident, sorted by bucket offset) point at.
+void launch_copy_bucket(
+    uint8_t* bucket,
+    int64_t nbytes,
+    const CopyOp* ops,
+    int64_t num_ops,
+    const Layout* layouts,
+    bool pack,
+    cudaStream_t stream);
+
+}  // namespace coalesced_bcast

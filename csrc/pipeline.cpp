@@ -1,0 +1,124 @@
+#include "pipeline.h"
+
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
+
+#include "executor.h"
+
+namespace coalesced_bcast {
+namespace {
+
+// Every broadcast moves raw bytes: dtypes that a backend cannot reduce (fp8,
+// bool, complex) travel as well as any other, and buckets mix dtypes freely.
+at::Tensor as_bytes(const at::Tensor& t) {
+  return t.view({-1}).view(at::kByte);
+}
+
+void check_backend(const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  const auto type = plan.device.type();
+  TORCH_CHECK_VALUE(
+      pg->hasBackends() && [&] {
+        try {
+          pg->getBackend(type);
+          return true;
+        } catch (const std::exception&) {
+          return false;
+        }
+      }(),
+      plan.describe(0), " is on ", plan.device, " but process group '", pg->getGroupDesc(), "' (backend ",
+      pg->getBackendName(), ") has no backend for ", type, " tensors");
+}
+
+}  // namespace
+
+RunStats broadcast_plan(
+    const Plan& plan,
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+    int64_t src,
+    std::chrono::milliseconds timeout) {
+  const auto t0 = std::chrono::steady_clock::now();
+  TORCH_CHECK_VALUE(
+      src >= 0 && src < pg->getSize(), "src must be a rank of the group (0..", pg->getSize() - 1, "), got ", src,
+      " on rank ", pg->getRank());
+  RunStats stats;
+  if (plan.unique.empty()) return stats;
+  check_backend(plan, pg);
+  const bool is_src = pg->getRank() == src;
+  const bool cuda = plan.device.is_cuda();
+  c10::DeviceGuard device_guard(plan.device);
+
+  c10d::BroadcastOptions opts;
+  opts.rootRank = src;
+  opts.rootTensor = 0;
+  opts.timeout = timeout;
+  // Sync ops (torch >= 2.8) run on the current stream, which the comm lane's
+  // guard makes ours, and stash nothing. Older torch returns a Work whose
+  // wait() orders our stream after its internal one; both are handled.
+  opts.asyncOp = false;
+  auto broadcast = [&](const at::Tensor& bytes) {
+    std::vector<at::Tensor> v{bytes};
+    if (auto work = pg->broadcast(v, opts)) work->wait();
+  };
+
+  auto exec = make_executor(plan);
+  exec->begin();
+  {
+    c10::OptionalStreamGuard comm(exec->stream(Lane::kComm));
+    for (const auto& group : plan.inplace_groups) {
+      // One ncclGroupStart/End per group: fewer launches and protocol
+      // startups than a broadcast per tensor. gloo has no coalescing.
+      const bool coalesce = cuda && group.size() > 1;
+      if (coalesce) pg->startCoalescing(plan.device.type());
+      for (int64_t u : group) {
+        std::vector<at::Tensor> v{as_bytes(plan.unique[u].tensor)};
+        auto work = pg->broadcast(v, opts);
+        if (!coalesce && work) work->wait();
+      }
+      if (coalesce) {
+        if (auto work = pg->endCoalescing(plan.device.type())) work->wait();
+      }
+    }
+  }
+
+  // One allocation for the ring and its copy table, made on the caller's
+  // stream: when it is freed at return, the caller's stream has already been
+  // ordered after every use of it (exec->end()).
+  at::Tensor arena;
+  if (!plan.buckets.empty()) {
+    const int64_t ring_bytes = plan.ring_slots * plan.slot_bytes;
+    arena = at::empty({ring_bytes + exec->table_bytes()}, at::TensorOptions().dtype(at::kByte).device(plan.device));
+    stats.ring_bytes = arena.numel();
+    exec->set_table(arena.narrow(0, ring_bytes, exec->table_bytes()));
+    for (int64_t k = 0; k < static_cast<int64_t>(plan.buckets.size()); ++k) {
+      const int64_t s = k % plan.ring_slots;
+      auto slot = arena.narrow(0, s * plan.slot_bytes, plan.buckets[k].nbytes);
+      if (is_src) {
+        exec->wait(Lane::kCopy, s);
+        exec->pack(k, slot);
+        exec->signal(Lane::kCopy, s);
+      }
+      {
+        c10::OptionalStreamGuard comm(exec->stream(Lane::kComm));
+        exec->wait(Lane::kComm, s);
+        broadcast(slot);
+        exec->signal(Lane::kComm, s);
+      }
+      if (!is_src) {
+        exec->wait(Lane::kCopy, s);
+        exec->unpack(k, slot);
+        exec->signal(Lane::kCopy, s);
+      }
+    }
+  }
+  exec->end();
+
+  if (!is_src) {
+    for (const auto& u : plan.unique) {
+      if (u.nbytes > 0 && !u.tensor.is_inference()) u.tensor.unsafeGetTensorImpl()->bump_version();
+    }
+  }
+  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return stats;
+}
+
+}  // namespace coalesced_bcast

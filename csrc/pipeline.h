@@ -1,0 +1,26 @@
+// pipeline: runs a plan through a c10d ProcessGroup. In-place tensors first, in
+// coalesced groups; then the buckets through a fixed ring of slots:
+//   source:    pack(k) -> broadcast(k)         receivers: broadcast(k) -> unpack(k)
+// with slot k % depth reused only after its previous bucket has left it.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+
+#include "plan.h"
+
+namespace coalesced_bcast {
+
+struct RunStats {
+  double seconds = 0;       // host wall time of the call (work may still be queued on CUDA)
+  int64_t ring_bytes = 0;   // device bytes held for the ring and its copy table
+};
+
+RunStats broadcast_plan(
+    const Plan& plan,
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+    int64_t src,
+    std::chrono::milliseconds timeout);
+
+}  // namespace coalesced_bcast

@@ -1,0 +1,301 @@
+#include "plan.h"
+
+#include <ATen/MemoryOverlap.h>
+
+#include <algorithm>
+#include <sstream>
+#include <unordered_map>
+
+namespace coalesced_bcast {
+namespace {
+
+// Group sizes NCCL handles comfortably inside one ncclGroupStart/End.
+constexpr size_t kMaxGroupOps = 32;
+
+struct RangeKey {
+  uintptr_t addr;
+  int64_t nbytes;
+  bool operator==(const RangeKey& o) const {
+    return addr == o.addr && nbytes == o.nbytes;
+  }
+};
+struct RangeKeyHash {
+  size_t operator()(const RangeKey& k) const {
+    return std::hash<uintptr_t>()(k.addr) * 31 + std::hash<int64_t>()(k.nbytes);
+  }
+};
+
+std::string shape_str(at::IntArrayRef sizes) {
+  std::ostringstream s;
+  s << sizes;
+  return s.str();
+}
+
+void check_input(const Plan& plan, int64_t i, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.defined(), plan.describe(i), " is undefined");
+  TORCH_CHECK_VALUE(!t.is_nested(), plan.describe(i), " is a nested tensor, which has no flat bytes to broadcast");
+  TORCH_CHECK_VALUE(
+      t.layout() == at::kStrided, plan.describe(i), " is sparse or otherwise not strided (layout ", t.layout(),
+      "); convert it to dense first");
+  TORCH_CHECK_VALUE(
+      !t.is_meta(), plan.describe(i), " is on the meta device and holds no data; materialize it first (",
+      "e.g. module.to_empty(device=...)), then sync");
+  TORCH_CHECK_VALUE(
+      t.device().is_cpu() || t.device().is_cuda(), plan.describe(i), " is on ", t.device(),
+      "; only cpu and cuda tensors are supported");
+  TORCH_CHECK_VALUE(
+      t.has_storage(), plan.describe(i), " (", t.toString(),
+      ") has no storage; tensor subclasses such as DTensor must be passed as their local tensors");
+  TORCH_CHECK_VALUE(
+      t.device() == plan.device, plan.describe(i), " is on ", t.device(), " but ", plan.describe(0), " is on ",
+      plan.device, "; every tensor of one call must be on one device");
+  TORCH_CHECK_VALUE(
+      at::has_internal_overlap(t) != at::MemOverlap::Yes, plan.describe(i), " (shape ", shape_str(t.sizes()),
+      ", strides ", shape_str(t.strides()), ") overlaps itself in memory (an expanded view?); pass a real tensor");
+}
+
+// Drops size-1 dims and merges dims that are contiguous with each other, so
+// the kernel's index arithmetic touches as few dims as possible.
+Layout collapse(const Plan& plan, int64_t input, const at::Tensor& t) {
+  std::vector<int64_t> sizes, strides;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) == 1) continue;
+    if (!sizes.empty() && strides.back() == t.stride(d) * t.size(d)) {
+      sizes.back() *= t.size(d);
+      strides.back() = t.stride(d);
+    } else {
+      sizes.push_back(t.size(d));
+      strides.push_back(t.stride(d));
+    }
+  }
+  TORCH_CHECK_VALUE(
+      static_cast<int64_t>(sizes.size()) <= kMaxDims, plan.describe(input), " is a non-contiguous view with ",
+      sizes.size(), " non-mergeable dims (sizes ", shape_str(t.sizes()), ", strides ", shape_str(t.strides()),
+      "); at most ", kMaxDims, " are supported: make it contiguous first");
+  Layout l{};
+  l.ndim = static_cast<int32_t>(sizes.size());
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    l.sizes[d] = sizes[d];
+    l.strides[d] = strides[d];
+  }
+  return l;
+}
+
+// Address range [lo, hi) that a tensor's elements can touch.
+std::pair<uintptr_t, uintptr_t> extent(const at::Tensor& t) {
+  auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return {lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size())};
+}
+
+// Two different tensors sharing bytes would be written twice from different
+// places of the source; refuse it rather than depend on the order of writes.
+void check_no_overlap(const Plan& plan) {
+  struct Span {
+    uintptr_t lo, hi;
+    int64_t u;
+  };
+  std::vector<Span> spans;
+  for (size_t u = 0; u < plan.unique.size(); ++u) {
+    if (plan.unique[u].nbytes == 0) continue;
+    auto e = extent(plan.unique[u].tensor);
+    spans.push_back({e.first, e.second, static_cast<int64_t>(u)});
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.lo < b.lo; });
+  for (size_t i = 0; i < spans.size(); ++i) {
+    for (size_t j = i + 1; j < spans.size() && spans[j].lo < spans[i].hi; ++j) {
+      const auto& a = plan.unique[spans[i].u].tensor;
+      const auto& b = plan.unique[spans[j].u].tensor;
+      // Interleaved strided views (x[:, ::2] and x[:, 1::2]) share an extent
+      // without sharing bytes; only a proven overlap is an error.
+      auto status = at::get_overlap_status(a, b);
+      TORCH_CHECK_VALUE(
+          status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial,
+          plan.describe(plan.unique[spans[i].u].first_input), " (shape ", shape_str(a.sizes()), ", ",
+          a.scalar_type(), ") and ", plan.describe(plan.unique[spans[j].u].first_input), " (shape ",
+          shape_str(b.sizes()), ", ", b.scalar_type(),
+          ") are different views of overlapping memory; pass each storage region once");
+    }
+  }
+}
+
+void lay_out_buckets(Plan& plan) {
+  const int64_t B = plan.options.bucket_bytes;
+  int64_t cursor = 0;
+  std::vector<std::vector<CopyOp>> per_bucket;
+  for (auto& u : plan.unique) {
+    if (u.inplace || u.nbytes == 0) continue;
+    int32_t layout = -1;
+    if (!u.tensor.is_contiguous()) {
+      plan.layouts.push_back(collapse(plan, u.first_input, u.tensor));
+      layout = static_cast<int32_t>(plan.layouts.size() - 1);
+    }
+    const int64_t start = align_up(cursor, kAlign);
+    for (int64_t off = 0; off < u.nbytes;) {
+      const int64_t pos = start + off;
+      const int64_t k = pos / B;
+      const int64_t len = std::min(u.nbytes - off, (k + 1) * B - pos);
+      if (static_cast<int64_t>(per_bucket.size()) <= k) per_bucket.resize(k + 1);
+      per_bucket[k].push_back(CopyOp{
+          reinterpret_cast<uint64_t>(u.tensor.data_ptr()), off, pos - k * B, len, layout,
+          static_cast<int32_t>(u.tensor.element_size())});
+      off += len;
+    }
+    cursor = start + u.nbytes;
+    plan.packed_bytes += u.nbytes;
+  }
+  for (auto& ops : per_bucket) {
+    const auto& last = ops.back();
+    plan.buckets.push_back(Bucket{
+        last.bucket_offset + last.nbytes, static_cast<int64_t>(plan.ops.size()), static_cast<int64_t>(ops.size())});
+    plan.ops.insert(plan.ops.end(), ops.begin(), ops.end());
+  }
+  const auto n = static_cast<int64_t>(plan.buckets.size());
+  plan.ring_slots = std::min(plan.options.ring_depth, n);
+  plan.slot_bytes = n == 0 ? 0 : (n == 1 ? align_up(plan.buckets[0].nbytes, kAlign) : B);
+}
+
+void group_inplace(Plan& plan) {
+  std::vector<int64_t> group;
+  int64_t bytes = 0;
+  for (size_t u = 0; u < plan.unique.size(); ++u) {
+    if (!plan.unique[u].inplace) continue;
+    group.push_back(static_cast<int64_t>(u));
+    bytes += plan.unique[u].nbytes;
+    if (bytes >= plan.options.coalesce_bytes || group.size() >= kMaxGroupOps) {
+      plan.inplace_groups.push_back(std::move(group));
+      group.clear();
+      bytes = 0;
+    }
+  }
+  if (!group.empty()) plan.inplace_groups.push_back(std::move(group));
+}
+
+}  // namespace
+
+std::string Plan::describe(int64_t input) const {
+  std::ostringstream s;
+  s << "tensor " << input;
+  if (input < static_cast<int64_t>(names.size()) && !names[input].empty()) s << " ('" << names[input] << "')";
+  if (options.rank >= 0) s << " on rank " << options.rank;
+  return s.str();
+}
+
+Plan make_plan(
+    const std::vector<at::Tensor>& tensors,
+    const std::vector<std::string>& names,
+    const PlanOptions& options) {
+  Plan plan;
+  plan.options = options;
+  plan.names = names;
+  TORCH_CHECK_VALUE(
+      names.empty() || names.size() == tensors.size(), "got ", names.size(), " names for ", tensors.size(),
+      " tensors");
+  TORCH_CHECK_VALUE(
+      options.bucket_bytes >= 4096 && options.bucket_bytes % kAlign == 0,
+      "bucket_bytes must be a multiple of ", kAlign, " and at least 4096, got ", options.bucket_bytes);
+  TORCH_CHECK_VALUE(options.ring_depth >= 1, "ring_depth must be at least 1, got ", options.ring_depth);
+  TORCH_CHECK_VALUE(options.inplace_min_bytes >= 0, "inplace_min_bytes must be >= 0, got ", options.inplace_min_bytes);
+  if (!tensors.empty() && tensors[0].defined()) plan.device = tensors[0].device();
+
+  std::unordered_map<RangeKey, int64_t, RangeKeyHash> by_range;
+  std::unordered_multimap<uintptr_t, int64_t> strided_by_addr;
+  plan.input_to_unique.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    check_input(plan, static_cast<int64_t>(i), t);
+    const int64_t nbytes = static_cast<int64_t>(t.numel()) * t.element_size();
+    // The same bytes named twice (tied weights, or one buffer registered in two
+    // modules) are sent once. Contiguous tensors are keyed by their byte range,
+    // so a reshaped alias of the same bytes counts as the same tensor too.
+    if (nbytes > 0 && t.is_contiguous()) {
+      RangeKey key{reinterpret_cast<uintptr_t>(t.data_ptr()), nbytes};
+      auto it = by_range.find(key);
+      if (it != by_range.end()) {
+        plan.input_to_unique.push_back(it->second);
+        continue;
+      }
+      by_range.emplace(key, static_cast<int64_t>(plan.unique.size()));
+    } else if (nbytes > 0) {
+      // A strided view is the same tensor only with the same address, shape,
+      // strides and dtype.
+      const auto addr = reinterpret_cast<uintptr_t>(t.data_ptr());
+      auto range = strided_by_addr.equal_range(addr);
+      auto same = std::find_if(range.first, range.second, [&](const auto& kv) {
+        const auto& o = plan.unique[kv.second].tensor;
+        return o.sizes() == t.sizes() && o.strides() == t.strides() && o.scalar_type() == t.scalar_type();
+      });
+      if (same != range.second) {
+        plan.input_to_unique.push_back(same->second);
+        continue;
+      }
+      strided_by_addr.emplace(addr, static_cast<int64_t>(plan.unique.size()));
+    }
+    const bool inplace = t.is_contiguous() && nbytes > 0 && nbytes >= options.inplace_min_bytes;
+    plan.input_to_unique.push_back(static_cast<int64_t>(plan.unique.size()));
+    plan.unique.push_back(UniqueTensor{t, static_cast<int64_t>(i), nbytes, inplace});
+    plan.total_bytes += nbytes;
+  }
+  check_no_overlap(plan);
+  group_inplace(plan);
+  lay_out_buckets(plan);
+  validate_copy_table(plan);
+  return plan;
+}
+
+void validate_copy_table(const Plan& plan) {
+  std::unordered_map<uint64_t, int64_t> limit;  // tensor address -> its bytes
+  for (const auto& u : plan.unique) {
+    if (!u.inplace && u.nbytes > 0) limit[reinterpret_cast<uint64_t>(u.tensor.data_ptr())] = u.nbytes;
+  }
+  TORCH_CHECK(plan.slot_bytes % kAlign == 0, "ring slot bytes not aligned, got ", plan.slot_bytes);
+  for (size_t k = 0; k < plan.buckets.size(); ++k) {
+    const auto& b = plan.buckets[k];
+    TORCH_CHECK(b.nbytes > 0 && b.nbytes <= plan.slot_bytes, "bucket ", k, " has ", b.nbytes, " bytes, slot ",
+                plan.slot_bytes);
+    TORCH_CHECK(b.first_op >= 0 && b.num_ops > 0 && b.first_op + b.num_ops <= static_cast<int64_t>(plan.ops.size()),
+                "bucket ", k, " op range out of bounds: ", b.first_op, "+", b.num_ops);
+    int64_t prev_end = 0;
+    for (int64_t i = b.first_op; i < b.first_op + b.num_ops; ++i) {
+      const auto& op = plan.ops[i];
+      auto it = limit.find(op.tensor_ptr);
+      TORCH_CHECK(it != limit.end(), "copy op ", i, " points at no planned tensor");
+      TORCH_CHECK(op.bucket_offset % kAlign == 0 && op.bucket_offset >= prev_end, "copy op ", i,
+                  " bucket offset unaligned or overlapping: ", op.bucket_offset);
+      TORCH_CHECK(op.nbytes > 0 && op.bucket_offset + op.nbytes <= b.nbytes, "copy op ", i, " runs past bucket ", k,
+                  ": ", op.bucket_offset, "+", op.nbytes, " > ", b.nbytes);
+      TORCH_CHECK(op.tensor_offset >= 0 && op.tensor_offset + op.nbytes <= it->second, "copy op ", i,
+                  " runs past its tensor: ", op.tensor_offset, "+", op.nbytes, " > ", it->second);
+      TORCH_CHECK(op.layout >= -1 && op.layout < static_cast<int32_t>(plan.layouts.size()), "copy op ", i,
+                  " has layout ", op.layout);
+      TORCH_CHECK(op.elem_size > 0 && kAlign % op.elem_size == 0 && op.tensor_offset % op.elem_size == 0 &&
+                      op.nbytes % op.elem_size == 0,
+                  "copy op ", i, " splits an element of size ", op.elem_size);
+      prev_end = op.bucket_offset + op.nbytes;
+    }
+  }
+}
+
+at::Tensor Plan::fingerprint() const {
+  const auto n_unique = static_cast<int64_t>(unique.size());
+  const auto n_inputs = static_cast<int64_t>(input_to_unique.size());
+  auto fp = at::zeros({kFingerprintHeader + n_unique * kFingerprintRecord + n_inputs}, at::kLong);
+  auto* p = fp.data_ptr<int64_t>();
+  p[0] = 1;
+  p[1] = n_inputs;
+  p[2] = n_unique;
+  int64_t* r = p + kFingerprintHeader;
+  for (const auto& u : unique) {
+    const auto& t = u.tensor;
+    r[0] = static_cast<int64_t>(t.scalar_type());
+    r[1] = t.dim();
+    r[2] = u.nbytes;
+    for (int64_t d = 0; d < std::min<int64_t>(t.dim(), kMaxDims); ++d) r[3 + d] = t.size(d);
+    r += kFingerprintRecord;
+  }
+  std::copy(input_to_unique.begin(), input_to_unique.end(), r);
+  return fp;
+}
+
+}  // namespace coalesced_bcast

@@ -1,0 +1,73 @@
+// plan: which bytes go where. Built identically on every rank from the local
+// tensors (no communication), so ranks with the same model structure build the
+// same plan: unique tensors, the large ones broadcast in place in coalesced
+// groups, the rest laid out as one byte stream cut into fixed-size buckets.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "copy_table.h"
+
+namespace coalesced_bcast {
+
+struct PlanOptions {
+  int64_t bucket_bytes = 16 << 20;
+  int64_t ring_depth = 3;
+  int64_t inplace_min_bytes = 4 << 20;
+  int64_t coalesce_bytes = 256 << 20;
+  int64_t rank = -1;  // this process's rank, for error messages only
+};
+
+struct UniqueTensor {
+  at::Tensor tensor;
+  int64_t first_input;  // the first input that names these bytes
+  int64_t nbytes;
+  bool inplace;
+};
+
+struct Bucket {
+  int64_t nbytes;
+  int64_t first_op;
+  int64_t num_ops;
+};
+
+struct Plan {
+  at::Device device{at::kCPU};
+  PlanOptions options;
+  std::vector<std::string> names;  // per input, may be empty
+  std::vector<int64_t> input_to_unique;
+  std::vector<UniqueTensor> unique;
+  std::vector<std::vector<int64_t>> inplace_groups;  // indices into unique
+  std::vector<Bucket> buckets;
+  std::vector<CopyOp> ops;
+  std::vector<Layout> layouts;
+  int64_t total_bytes = 0;   // bytes of the unique tensors
+  int64_t packed_bytes = 0;  // of which go through buckets
+  int64_t ring_slots = 0;    // min(ring_depth, buckets)
+  int64_t slot_bytes = 0;    // bytes per ring slot, <= bucket_bytes
+
+  // "tensor 3 ('layers.0.weight') on rank 1": how every message names a tensor.
+  std::string describe(int64_t input) const;
+  // Structure only (no values): per unique tensor its dtype, shape and bytes,
+  // then which unique tensor each input maps to. Equal on ranks that agree.
+  at::Tensor fingerprint() const;
+};
+
+Plan make_plan(
+    const std::vector<at::Tensor>& tensors,
+    const std::vector<std::string>& names,
+    const PlanOptions& options);
+
+// Bounds-checks the copy table against the tensors and buckets it points into;
+// called before anything is launched.
+void validate_copy_table(const Plan& plan);
+
+// Fingerprint layout: a header, one fixed-size record per unique tensor, then
+// one entry per input.
+constexpr int64_t kFingerprintHeader = 3;  // version, inputs, unique
+constexpr int64_t kFingerprintRecord = 3 + kMaxDims;  // dtype, ndim, nbytes, sizes
+
+}  // namespace coalesced_bcast

@@ -1,0 +1,27 @@
+"""coalesced_bcast: broadcast a model's parameters and buffers from one rank, with bounded GPU memory.
+
+    import coalesced_bcast
+    stats = coalesced_bcast.sync_module(model, src=0)            # every parameter and buffer
+    stats = coalesced_bcast.broadcast_tensors(tensors, src=0)    # any list of tensors
+"""
+from .agree import AgreementError
+from .sync import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_COALESCE_BYTES,
+    DEFAULT_INPLACE_MIN_BYTES,
+    DEFAULT_RING_DEPTH,
+    SyncStats,
+    broadcast_tensors,
+    sync_module,
+)
+
+__all__ = [
+    "AgreementError",
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_COALESCE_BYTES",
+    "DEFAULT_INPLACE_MIN_BYTES",
+    "DEFAULT_RING_DEPTH",
+    "SyncStats",
+    "broadcast_tensors",
+    "sync_module",
+]

@@ -1,0 +1,144 @@
+"""broadcast_tensors and sync_module: plan locally, agree across ranks, then broadcast through the C++ core."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import _C
+from .agree import check_agreement
+
+logger = logging.getLogger(__name__)
+
+#: Bytes per ring slot. Large enough that a bucket's broadcast runs near link speed on NVLink,
+#: small enough that the whole ring (x ring depth) stays far below a layer's size.
+DEFAULT_BUCKET_BYTES = 16 << 20
+#: Ring slots: one being packed or unpacked while another is on the wire, plus one of slack.
+DEFAULT_RING_DEPTH = 3
+#: Contiguous tensors of at least this many bytes are broadcast where they are: no copy, no bucket.
+DEFAULT_INPLACE_MIN_BYTES = 4 << 20
+#: In-place broadcasts are issued in NCCL groups (start/endCoalescing) of about this many bytes.
+DEFAULT_COALESCE_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """What one sync did; every rank gets the same counts (seconds are local)."""
+
+    tensors: int  # tensors passed in, aliases and tied names included
+    unique_tensors: int  # distinct memory regions sent (tied weights count once)
+    bytes: int  # bytes sent, over the unique tensors
+    inplace_tensors: int  # tensors broadcast where they live, with no copy
+    packed_bytes: int  # bytes that went through buckets
+    buckets: int
+    ring_bytes: int  # device (or host, on CPU) bytes held for the ring during the call
+    seconds: float  # host wall time of the call; CUDA work is ordered on the caller's stream
+
+
+def _resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    if not dist.is_initialized():
+        raise RuntimeError("coalesced_bcast needs torch.distributed to be initialized (init_process_group)")
+    return group if group is not None else dist.group.WORLD
+
+
+def _group_src(pg: dist.ProcessGroup, src: int) -> int:
+    """`src` is a global rank, as everywhere in torch.distributed; the core wants the group rank."""
+    ranks = dist.get_process_group_ranks(pg)
+    if src not in ranks:
+        raise ValueError(
+            f"src={src} is not a rank of the group (its global ranks: {ranks[:16]}{'...' if len(ranks) > 16 else ''}),"
+            f" on rank {dist.get_rank()}")
+    return ranks.index(src)
+
+
+def broadcast_tensors(
+    tensors: Iterable[torch.Tensor],
+    src: int = 0,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    names: Optional[Sequence[str]] = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ring_depth: int = DEFAULT_RING_DEPTH,
+    inplace_min_bytes: int = DEFAULT_INPLACE_MIN_BYTES,
+    coalesce_bytes: int = DEFAULT_COALESCE_BYTES,
+    timeout: Optional[Union[float, timedelta]] = None,
+) -> SyncStats:
+    """Make every rank's ``tensors`` bitwise equal to the source rank's, in place.
+
+    Args:
+        tensors: dense tensors, all on one device (cpu over gloo, cuda over NCCL). Aliases of the same
+            memory (tied weights) are sent once; different views that overlap are refused.
+        src: the source's global rank.
+        group: the process group (default: the world).
+        names: one name per tensor, used in error messages.
+        bucket_bytes: bytes per ring slot (multiple of 16, >= 4096). Tensors below ``inplace_min_bytes``
+            are packed back to back into buckets of this size; a tensor larger than a bucket is split.
+        ring_depth: slots in the ring; extra device memory is at most ``bucket_bytes * ring_depth`` plus
+            the copy table, whatever the model's size.
+        inplace_min_bytes: contiguous tensors this large are broadcast in place, without a copy.
+        coalesce_bytes: in-place broadcasts are grouped into one NCCL group up to this many bytes
+            (0: one at a time).
+        timeout: seconds (or a timedelta) for each collective; default: the group's timeout.
+
+    Every rank must call this with tensors of the same structure (checked before any byte moves).
+    On CUDA the work is queued on side streams and the caller's current stream is made to wait for
+    it: the tensors can be used at once, in stream order, without a synchronize.
+    """
+    pg = _resolve_group(group)
+    rank = dist.get_rank()
+    tensors = list(tensors)
+    names = list(names) if names is not None else []
+    src_group = _group_src(pg, src)  # the same arguments everywhere: raise before any collective
+    plan, error = None, None
+    try:
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                label = f" ('{names[i]}')" if i < len(names) else ""
+                raise TypeError(f"tensor {i}{label} on rank {rank} is a {type(t).__name__}, not a torch.Tensor")
+        # Raw storage writes: autograd never sees them, and leaves stay leaves.
+        plan = _C.Plan([t.detach() for t in tensors], names, bucket_bytes, ring_depth, inplace_min_bytes,
+                       coalesce_bytes, rank)
+    except (TypeError, ValueError) as e:
+        error = e
+    check_agreement(plan, error, pg, src_group, names)
+    if timeout is not None and isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    seconds, ring_bytes = plan.broadcast(pg, src_group, float(timeout or 0.0))
+    stats = SyncStats(
+        tensors=plan.num_inputs, unique_tensors=plan.num_unique, bytes=plan.total_bytes,
+        inplace_tensors=plan.num_inplace, packed_bytes=plan.packed_bytes, buckets=plan.num_buckets,
+        ring_bytes=ring_bytes, seconds=seconds)
+    if rank == src:
+        logger.info("coalesced_bcast: sent %d tensors (%d unique, %.3f GiB, %d in place, %d buckets) in %.3f s",
+                    stats.tensors, stats.unique_tensors, stats.bytes / 2**30, stats.inplace_tensors, stats.buckets,
+                    stats.seconds)
+    return stats
+
+
+def module_states(module: nn.Module, include_buffers: bool = True) -> tuple[list[str], list[torch.Tensor]]:
+    """Every parameter and buffer (non-persistent ones too), tied names kept, in registration order."""
+    named = list(module.named_parameters(remove_duplicate=False))
+    if include_buffers:
+        named += [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
+    return [n for n, _ in named], [t for _, t in named]
+
+
+def sync_module(
+    module: nn.Module,
+    src: int = 0,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    include_buffers: bool = True,
+    **options,
+) -> SyncStats:
+    """Make ``module``'s parameters (and buffers, unless ``include_buffers=False``) equal to the source's.
+
+    Takes the options of :func:`broadcast_tensors`; errors name tensors by their module path.
+    """
+    names, tensors = module_states(module, include_buffers)
+    return broadcast_tensors(tensors, src, group, names=names, **options)

@@ -1,0 +1,62 @@
+"""Builds coalesced_bcast._C: a CUDAExtension when torch has CUDA and nvcc is found, else a CppExtension.
+
+Sources follow pytorch/extension-cpp: every csrc/*.cpp always, csrc/*.cu only in a CUDA build.
+"""
+import glob
+import importlib.util
+import os
+import shutil
+
+from setuptools import find_packages, setup
+import torch
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def find_cuda_home():
+    """torch guesses /usr/local when nvcc is on PATH there, which has no cuda.h; prefer a real toolkit."""
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda", cpp_extension.CUDA_HOME):
+        if home and os.path.exists(os.path.join(home, "bin", "nvcc")) and os.path.exists(
+                os.path.join(home, "include", "cuda.h")):
+            return home
+    return None
+
+
+def wheel_include(package):
+    """Headers that torch's CUDA headers need but a bare toolkit may lack (cusparse.h) ship in nvidia wheels."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    return [p for p in (os.path.join(d, "include") for d in spec.submodule_search_locations) if os.path.isdir(p)]
+
+
+def extension():
+    cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    cuda_home = find_cuda_home() if torch.version.cuda and os.environ.get("COALESCED_BCAST_CPU_ONLY") != "1" else None
+    cxx = ["-O3"]
+    if cuda_home is None:
+        return cpp_extension.CppExtension("coalesced_bcast._C", cpp, extra_compile_args={"cxx": cxx})
+    os.environ["CUDA_HOME"] = cuda_home
+    cpp_extension.CUDA_HOME = cuda_home
+    include = []
+    if not os.path.exists(os.path.join(cuda_home, "include", "cusparse.h")):
+        include += wheel_include("nvidia.cu13") or wheel_include("nvidia.cu12")
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0+PTX")
+    cu = sorted(glob.glob(os.path.join("csrc", "*.cu")))
+    return cpp_extension.CUDAExtension(
+        "coalesced_bcast._C", cpp + cu, include_dirs=include, define_macros=[("WITH_CUDA", None)],
+        extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]})
+
+
+setup(
+    name="coalesced_bcast",
+    version="0.1.0",
+    description="Broadcast a model's parameters and buffers from one rank with bounded memory",
+    package_dir={"": "python"},
+    packages=find_packages("python"),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.8"],
+)

@@ -1,0 +1,39 @@
+"""Run a function on N ranks over gloo, with a FileStore (no ports) and a hard timeout."""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 120
+
+
+def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, backend: str) -> None:
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn: Callable, *args, timeout: float = DEFAULT_TIMEOUT_S,
+              backend: str = "gloo") -> None:
+    """Spawn `world_size` processes running fn(rank, world_size, *args); re-raise the first failure.
+
+    fn must be a module-level function (it is pickled). A run past `timeout` seconds is killed and fails.
+    """
+    with tempfile.TemporaryDirectory() as d:
+        ctx = mp.start_processes(_entry, args=(world_size, os.path.join(d, "store"), fn, args, backend),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout} s")
