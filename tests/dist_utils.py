@@ -14,7 +14,13 @@ DEFAULT_TIMEOUT_S = 120
 
 def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, backend: str) -> None:
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    if backend == "nccl":
+        import torch
+        torch.cuda.set_device(rank)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     finally:

@@ -14,6 +14,8 @@ from .sync import (
     broadcast_tensors,
     sync_module,
 )
+from . import fsdp
+from .install import PatchedCall, install, installed, is_installed, patched_calls, uninstall
 
 __all__ = [
     "AgreementError",
@@ -24,4 +26,11 @@ __all__ = [
     "SyncStats",
     "broadcast_tensors",
     "sync_module",
+    "fsdp",
+    "PatchedCall",
+    "install",
+    "installed",
+    "is_installed",
+    "patched_calls",
+    "uninstall",
 ]

@@ -1,0 +1,356 @@
+"""Every way to broadcast a model's state, side by side, in one run (issue 3).
+
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench.py [--cases ...] [--out DIR]
+
+On GPUs (NCCL) it measures the real cases; on CPU (gloo) a scaled-down version of the same cases.
+Per case, every method runs on the same tensors: warm-up (also the memory measurement, after
+empty_cache and reset_peak_memory_stats), receivers poisoned, `--reps` timed repetitions (median),
+then a bitwise check of every tensor on every rank against the source's seeded values.
+Writes DIR/latest.json (rows), DIR/latest.md (table) and DIR/latest.png (plot, if matplotlib).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import coalesced_bcast  # noqa: E402
+from shapes import llama8b_shapes, small_shapes  # noqa: E402
+
+GiB, MiB = 2**30, 2**20
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+# ---------------------------------------------------------------------------------------------------
+# States: (name, dtype, shape, view) entries; view "t" makes a transposed (non-contiguous) parameter.
+
+def llama_layers_bytes(layers: int) -> list:
+    """Llama-8B blocks without the vocabulary: about 0.43 GiB each (the scaling series)."""
+    shapes = llama8b_shapes(layers=layers)[1:-2]
+    return [(f"w{i}", torch.bfloat16, s, None) for i, s in enumerate(shapes)]
+
+
+def mixed_state(layers: int, hidden: int, fp8: torch.dtype = torch.float8_e4m3fn) -> list:
+    """Several dtypes, buffers, a tied pair, non-contiguous views, many small tensors."""
+    out = [("embed", torch.bfloat16, (8 * hidden, hidden), None)]
+    for i in range(layers):
+        out += [(f"l{i}.qkv", torch.bfloat16, (3 * hidden, hidden), None),
+                (f"l{i}.o.t", torch.bfloat16, (hidden, hidden), "t"),
+                (f"l{i}.mlp", fp8, (4 * hidden, hidden), None),
+                (f"l{i}.norm", torch.float32, (hidden,), None),
+                (f"l{i}.bias", torch.float16, (hidden,), None),
+                (f"l{i}.step", torch.int64, (), None),
+                (f"l{i}.mask", torch.bool, (hidden // 4,), None),
+                (f"l{i}.rope", torch.complex64, (hidden // 8, 64), None)]
+        out += [(f"l{i}.lora{j}", torch.float32, (16, 64 + j), None) for j in range(64)]
+    out.append(("head", "tied:embed", None, None))
+    return out
+
+
+def cases(on_gpu: bool) -> dict:
+    if on_gpu:
+        return {
+            "llama8b": [(f"w{i}", torch.bfloat16, s, None) for i, s in enumerate(llama8b_shapes())],
+            "small16k": [(f"s{i}", torch.bfloat16, s, None) for i, s in enumerate(small_shapes())],
+            "mixed": mixed_state(layers=16, hidden=4096),
+            "scale1G": llama_layers_bytes(2),
+            "scale4G": llama_layers_bytes(9),
+            "scale15G": llama_layers_bytes(35),
+            "scale60G": llama_layers_bytes(141),
+        }
+    return {  # gloo on CPU: the same shapes of cases, scaled to a 2-core machine
+        "llama8b": [(f"w{i}", torch.bfloat16, s, None) for i, s in
+                    enumerate(llama8b_shapes(layers=2, hidden=256, inter=896, kv=64, vocab=8000))],
+        "small16k": [(f"s{i}", torch.bfloat16, s, None) for i, s in enumerate(small_shapes(n=2000))],
+        "mixed": mixed_state(layers=2, hidden=128, fp8=torch.int8),  # gloo has no float8
+        "scale1G": [(f"w{i}", torch.bfloat16, s, None) for i, s in
+                    enumerate(llama8b_shapes(layers=1, hidden=256, inter=896, kv=64, vocab=8)[1:-2])],
+        "scale4G": [(f"w{i}", torch.bfloat16, s, None) for i, s in
+                    enumerate(llama8b_shapes(layers=4, hidden=256, inter=896, kv=64, vocab=8)[1:-2])],
+    }
+
+
+def build(spec: list, device: torch.device) -> list[torch.Tensor]:
+    made, out = {}, []
+    for name, dtype, shape, view in spec:
+        if isinstance(dtype, str):  # a tie: the same tensor object again
+            out.append(made[dtype.split(":")[1]])
+            continue
+        t = torch.empty(shape if view != "t" else tuple(reversed(shape)), dtype=dtype, device=device)
+        t = t.t() if view == "t" else t
+        made[name] = t
+        out.append(t)
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as same-size integers: random draws and comparisons are bitwise."""
+    t = torch.view_as_real(t) if t.is_complex() else t
+    return t.view(_INT[t.element_size()])
+
+
+def _draw(t: torch.Tensor, g: torch.Generator) -> None:
+    _bits(t).random_(0, 2, generator=g) if t.dtype == torch.bool else _bits(t).random_(generator=g)
+
+
+def fill(tensors: list[torch.Tensor], seed: int, poison: bool) -> None:
+    """Source values from a seeded generator (every rank can regenerate them); poison: all-ones bits."""
+    g = torch.Generator(device=tensors[0].device).manual_seed(seed)
+    for t in {id(t): t for t in tensors}.values():  # a tied tensor gets one draw
+        if poison:
+            _bits(t).fill_(-1 if t.element_size() > 1 else 1)
+        else:
+            _draw(t, g)
+
+
+def check(tensors: list[torch.Tensor], seed: int) -> bool:
+    """Regenerates the source's values one tensor at a time (no second copy of the state)."""
+    g = torch.Generator(device=tensors[0].device).manual_seed(seed)
+    ok = True
+    for t in {id(t): t for t in tensors}.values():
+        expected = torch.empty_like(t)
+        _draw(expected, g)
+        ok &= torch.equal(_bits(t), _bits(expected))
+    return bool(ok)
+
+
+def per_tensor(tensors):
+    """One dist.broadcast per tensor (DeepSpeed, Horovod, DCP): a contiguous copy where needed."""
+    for t in tensors:
+        if t.is_contiguous():
+            dist.broadcast(t, 0)
+        else:
+            c = t.contiguous()
+            dist.broadcast(c, 0)
+            t.copy_(c)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Methods
+
+_legacy_stream = None
+
+
+def legacy_record_stream(tensors, bucket=250 * MiB):
+    """torch <= 2.7 inside comm.cpp + ProcessGroupNCCL: a flat copy per bucket made on the current
+    stream, broadcast on another stream, record_stream'ed onto it, unflattened back."""
+    global _legacy_stream
+    _legacy_stream = _legacy_stream or torch.cuda.Stream()
+    cur = torch.cuda.current_stream()
+    groups, g, size = [], [], 0
+    for t in tensors:
+        g.append(t)
+        size += t.numel() * t.element_size()
+        if size >= bucket:
+            groups.append(g)
+            g, size = [], 0
+    if g:
+        groups.append(g)
+    for g in groups:
+        by_dtype = {}
+        for t in g:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for ts in by_dtype.values():
+            flat = torch._utils._flatten_dense_tensors(ts)
+            _legacy_stream.wait_stream(cur)
+            with torch.cuda.stream(_legacy_stream):
+                dist.broadcast(flat, 0)
+            flat.record_stream(_legacy_stream)
+            cur.wait_stream(_legacy_stream)
+            if dist.get_rank() != 0:
+                for t, o in zip(ts, torch._utils._unflatten_dense_tensors(flat, ts)):
+                    t.copy_(o, non_blocking=True)
+            del flat
+
+
+def methods(on_gpu: bool, case: str) -> dict:
+    ours = lambda **kw: (lambda ts: coalesced_bcast.broadcast_tensors(ts, 0, **kw))  # noqa: E731
+    m = {
+        "broadcast_coalesced": lambda ts: dist._broadcast_coalesced(dist.group.WORLD, ts, 250 * MiB, 0),
+        "per_tensor": per_tensor,
+        "coalesced_bcast": ours(),
+    }
+    if on_gpu:
+        m["legacy_record_stream"] = legacy_record_stream
+    if case.startswith("scale"):
+        m.pop("per_tensor")
+        m.pop("legacy_record_stream", None)
+        return m
+    for b in (4, 64):
+        m[f"coalesced_bcast[bucket={b}M]"] = ours(bucket_bytes=b * MiB)
+    for d in (2, 4):
+        m[f"coalesced_bcast[depth={d}]"] = ours(ring_depth=d)
+    m["coalesced_bcast[inplace=off]"] = ours(inplace_min_bytes=1 << 50)
+    m["coalesced_bcast[coalesce=off]"] = ours(coalesce_bytes=0)
+    m["coalesced_bcast[inplace=64M]"] = ours(inplace_min_bytes=64 * MiB)
+    return m
+
+
+# ---------------------------------------------------------------------------------------------------
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(fn, tensors, device, reps):
+    """(median seconds, peak extra allocated, peak extra reserved, first-call seconds)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base_a, base_r = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        torch.cuda.reset_peak_memory_stats()
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn(tensors)
+    sync(device)
+    first = time.perf_counter() - t0
+    extra_a = torch.cuda.max_memory_allocated() - base_a if cuda else 0
+    extra_r = torch.cuda.max_memory_reserved() - base_r if cuda else 0
+    if dist.get_rank() != 0 and tensors is not None:
+        fill(tensors, 0, poison=True)
+    times = []
+    for _ in range(reps):
+        sync(device)
+        dist.barrier()
+        sync(device)
+        t0 = time.perf_counter()
+        fn(tensors)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), extra_a, extra_r, first
+
+
+def ceiling(nbytes, device, reps):
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    fn = lambda _: dist.broadcast(flat, 0)  # noqa: E731
+    fn(None)
+    sec, a, r, _ = measure(fn, None, device, reps)
+    del flat
+    return sec, a, r
+
+
+def table_line(r):
+    return (f"{r['case']:>9} {r['method']:>32} {r['bytes']:>13} {r['tensors']:>6} {r['rank']:>4} "
+            f"{r['seconds'] * 1e6:>11.1f} {r['gbps']:>7.1f} {r['gbps']:>7.1f} {r['pct_of_ceiling']:>6.1f} "
+            f"{r['peak_extra_allocated_bytes'] / MiB:>9.1f} {r['peak_extra_reserved_bytes'] / MiB:>9.1f} "
+            f"{'-' if r['correct'] is None else int(not r['correct']):>6}")
+
+
+HEADER = (f"{'case':>9} {'method':>32} {'size(B)':>13} {'count':>6} {'rank':>4} {'time(us)':>11} "
+          f"{'algbw':>7} {'busbw':>7} {'%ceil':>6} {'xalloc':>9} {'xresv':>9} {'#wrong':>6}\n"
+          f"{'':>9} {'':>32} {'':>13} {'':>6} {'':>4} {'':>11} {'(GB/s)':>7} {'(GB/s)':>7} {'':>6} "
+          f"{'(MiB)':>9} {'(MiB)':>9} {'':>6}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default="", help="comma-separated subset of cases (default: all)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=None, help="results folder (default: bench/results, or bench/results/cpu)")
+    args = ap.parse_args()
+
+    on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", 1))
+    if on_gpu:
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        device = torch.device("cuda", local)
+    else:
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = args.out or os.path.join(here, "results" if on_gpu else os.path.join("results", "cpu"))
+    env = dict(gpu=torch.cuda.get_device_name(device) if on_gpu else "cpu", torch=torch.__version__,
+               nccl=".".join(map(str, torch.cuda.nccl.version())) if on_gpu else None)
+
+    selected = [c for c in args.cases.split(",") if c]
+    rows = []
+    for case, spec in cases(on_gpu).items():
+        if selected and case not in selected:
+            continue
+        tensors = build(spec, device)
+        nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+        del tensors
+        c_sec, c_a, c_r = ceiling(nbytes, device, args.reps)
+        base = dict(case=case, rank=rank, world_size=world, bytes=nbytes, **env)
+        rows.append(dict(base, method="ceiling", tensors=1, seconds=c_sec, gbps=nbytes / c_sec / 1e9,
+                         pct_of_ceiling=100.0, peak_extra_allocated_bytes=c_a, peak_extra_reserved_bytes=c_r,
+                         correct=None))  # the reference: its bytes are not checked
+        tensors = build(spec, device)
+        for name, fn in methods(on_gpu, case).items():
+            fill(tensors, seed=7, poison=rank != 0)
+            sec, a, r, first = measure(fn, tensors, device, args.reps)
+            ok = check(tensors, seed=7)
+            rows.append(dict(base, method=name, tensors=len(tensors), seconds=sec, gbps=nbytes / sec / 1e9,
+                             pct_of_ceiling=100.0 * c_sec / sec, peak_extra_allocated_bytes=a,
+                             peak_extra_reserved_bytes=r, correct=ok, first_seconds=first))
+            if rank == 0:
+                print(table_line(rows[-1]), flush=True)
+        del tensors
+        sync(device)
+
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rows)
+    if rank == 0:
+        all_rows = [r for rs in gathered for r in rs]
+        write_results(all_rows, out)
+    dist.destroy_process_group()
+
+
+def write_results(rows, out):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "latest.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    lines = [HEADER] + [table_line(r) for r in sorted(rows, key=lambda r: (r["case"], r["method"], r["rank"]))]
+    r0 = rows[0]
+    with open(os.path.join(out, "latest.md"), "w") as f:
+        f.write(f"# coalesced_bcast benchmark\n\n{r0['world_size']} ranks, {r0['gpu']}, torch {r0['torch']}, "
+                f"NCCL {r0['nccl']}. GB/s = 1e9 B/s; busbw = algbw for broadcast; xalloc/xresv = peak extra "
+                f"allocated/reserved on that rank; #wrong = 1 if any tensor differed from the source.\n\n```\n")
+        f.write("\n".join(lines) + "\n```\n")
+    print("\n".join(lines), flush=True)
+    plot(rows, os.path.join(out, "latest.png"))
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", flush=True)
+        return
+    main_methods = ["ceiling", "broadcast_coalesced", "per_tensor", "legacy_record_stream", "coalesced_bcast"]
+    case_names = list(dict.fromkeys(r["case"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
+    width = 0.8 / len(main_methods)
+    for i, m in enumerate(main_methods):
+        gb, mem = [], []
+        for c in case_names:
+            rs = [r for r in rows if r["case"] == c and r["method"] == m]
+            gb.append(statistics.mean(r["gbps"] for r in rs) if rs else 0)
+            mem.append(max(r["peak_extra_reserved_bytes"] for r in rs) / MiB if rs else 0)
+        xs = [j + i * width for j in range(len(case_names))]
+        axes[0].bar(xs, gb, width, label=m)
+        axes[1].bar(xs, mem, width, label=m)
+    for ax, title in zip(axes, ["GB/s (mean over ranks)", "peak extra reserved, MiB (max over ranks, log)"]):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(case_names))], case_names, rotation=20)
+        ax.set_title(title)
+    axes[1].set_yscale("symlog")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""FSDP1 helpers: a ``param_init_fn`` that allocates without computing, and tied-weight restoration.
+
+Ranks other than the source build the model on the meta device; FSDP1 calls ``param_init_fn`` on
+each of their modules before its per-unit sync, and the sync then writes the source's bytes.
+
+    model = FSDP(model, sync_module_states=True, device_id=dev,
+                 param_init_fn=coalesced_bcast.fsdp.param_init_fn(dev))
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+logger = logging.getLogger(__name__)
+
+TieGroups = dict[str, list[list[str]]]
+
+
+class MetaMaterializer:
+    """The callable FSDP1 wants as ``param_init_fn``: allocates a module's own meta tensors on ``device``.
+
+    Unlike ``module.to_empty(device, recurse=False)``, a meta parameter (or buffer) shared by several
+    modules, such as ``lm_head.weight is embed.weight``, becomes one tensor on the device, not one per
+    module: the memo maps each meta tensor to what it became, across every call of this object, so a
+    tie survives even when its modules are materialized by different FSDP units. Tensors that are
+    already real are left alone (``to_empty`` would replace their storage with garbage, possibly
+    after FSDP synced and flattened them). Values are uninitialized: they come from the source.
+    """
+
+    def __init__(self, device: Union[torch.device, str, int]):
+        self.device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        # id(meta tensor) -> (meta tensor, its replacement); the meta tensor is kept so its id stays unique.
+        self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __repr__(self) -> str:
+        return f"coalesced_bcast.fsdp.param_init_fn({self.device})"
+
+    def __call__(self, module: nn.Module) -> None:
+        params = {k: p for k, p in module._parameters.items() if p is not None}
+        buffers = {k: b for k, b in module._buffers.items() if b is not None}
+        if not any(t.is_meta for t in (*params.values(), *buffers.values())):
+            return
+        simple = all(t.is_meta and id(t) not in self._memo for t in (*params.values(), *buffers.values()))
+        if simple:
+            # torch's own path: keeps its handling of Parameter subclasses and the __future__ flags.
+            module.to_empty(device=self.device, recurse=False)
+        else:
+            with torch.no_grad():
+                for k, p in params.items():
+                    if p.is_meta:
+                        module._parameters[k] = self._new(p, lambda: nn.Parameter(
+                            torch.empty_like(p, device=self.device), p.requires_grad))
+                for k, b in buffers.items():
+                    if b.is_meta:
+                        module._buffers[k] = self._new(b, lambda: torch.empty_like(b, device=self.device))
+        for k, p in params.items():
+            self._memo.setdefault(id(p), (p, module._parameters[k]))
+        for k, b in buffers.items():
+            self._memo.setdefault(id(b), (b, module._buffers[k]))
+
+    def _new(self, meta: torch.Tensor, make) -> torch.Tensor:
+        hit = self._memo.get(id(meta))
+        return hit[1] if hit is not None else make()
+
+
+def param_init_fn(device: Union[torch.device, str, int]) -> MetaMaterializer:
+    """``param_init_fn`` for FSDP1 on ranks that built the model on meta: allocation only, ties kept.
+
+    Pass it on every rank (FSDP1 only calls it on modules that are on meta) together with
+    ``sync_module_states=True``; the values then come from rank 0 of the FSDP group.
+    """
+    return MetaMaterializer(device)
+
+
+def _named(module: nn.Module, kind: str) -> list[tuple[str, torch.Tensor]]:
+    it = module.named_parameters if kind == "params" else module.named_buffers
+    return [(n, t) for n, t in it(remove_duplicate=False) if t is not None]
+
+
+def tie_groups(module: nn.Module, only: Optional[Iterable[torch.Tensor]] = None) -> TieGroups:
+    """Names that share one parameter (or buffer) object, in registration order; groups of 2 or more.
+
+    ``only``: keep parameters among these objects (FSDP's managed parameters of one unit).
+    """
+    keep = {id(t) for t in only} if only is not None else None
+    out: TieGroups = {}
+    for kind in ("params", "buffers"):
+        by_obj: dict[int, list[str]] = {}
+        for name, t in _named(module, kind):
+            if kind == "params" and keep is not None and id(t) not in keep:
+                continue
+            by_obj.setdefault(id(t), []).append(name)
+        out[kind] = [names for names in by_obj.values() if len(names) > 1]
+    return out
+
+
+def _set(module: nn.Module, name: str, kind: str, value: torch.Tensor) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    (owner._parameters if kind == "params" else owner._buffers)[leaf] = value
+
+
+def apply_tie_groups(module: nn.Module, groups: TieGroups) -> dict[int, torch.Tensor]:
+    """Point every name of each group at the group's first tensor. Returns id(replaced) -> kept tensor.
+
+    A group naming a tensor this module lacks, or members of different shape, dtype or device, is
+    skipped: that is a structural difference, left for the sync's agreement to report on every rank.
+    """
+    replaced: dict[int, torch.Tensor] = {}
+    for kind in ("params", "buffers"):
+        named = dict(_named(module, kind))
+        for names in groups.get(kind, []):
+            if not all(n in named for n in names):
+                continue
+            keep = named[names[0]]
+            members = [named[n] for n in names[1:]]
+            if any((t.shape, t.dtype, t.device) != (keep.shape, keep.dtype, keep.device) for t in members):
+                continue
+            for n, t in zip(names[1:], members):
+                if t is not keep:
+                    _set(module, n, kind, keep)
+                    replaced[id(t)] = keep
+    return replaced
+
+
+def restore_ties(
+    module: nn.Module,
+    src: int = 0,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    only: Optional[list[torch.Tensor]] = None,
+) -> int:
+    """Give every rank the source's tied weights (collective: one small ``broadcast_object_list``).
+
+    On the source nothing changes; elsewhere each name the source ties is pointed at one tensor (the
+    group's first name's), as ``to_empty`` on a meta model may have split them (pytorch issue 143181).
+    Values are not touched: sync afterwards. Ties the source lacks are not undone; a structure that
+    still differs is reported by the sync's agreement on every rank. ``src`` is a global rank.
+    If ``only`` is a list of parameters (FSDP's managed list), replaced ones are removed from it in
+    place, keeping first occurrences, so that it matches the source's deduplicated list.
+    Returns how many names were re-pointed on this rank.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    is_src = dist.get_rank() == src
+    box = [tie_groups(module, only) if is_src else None]
+    dist.broadcast_object_list(box, src=src, group=pg)
+    if is_src:
+        return 0
+    replaced = apply_tie_groups(module, box[0])
+    if only is not None and replaced:
+        seen: set[int] = set()
+        kept = []
+        for p in only:
+            p = replaced.get(id(p), p)
+            if id(p) not in seen:
+                seen.add(id(p))
+                kept.append(p)
+        only[:] = kept
+    if replaced:
+        logger.info("coalesced_bcast: rank %d re-tied %d tensors to match source rank %d", dist.get_rank(),
+                    len(replaced), src)
+    return len(replaced)

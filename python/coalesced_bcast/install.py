@@ -1,0 +1,275 @@
+"""install(): FSDP1's ``sync_module_states`` and DDP's init sync move their bytes through coalesced_bcast.
+
+Patched names (each is looked up by torch at call time in the module named here, which is why
+patching ``torch.distributed.utils`` alone would not reach FSDP1, whose ``_init_utils`` imported
+``_sync_params_and_buffers`` by name):
+
+- ``torch.distributed.fsdp._init_utils._sync_module_params_and_buffers``: FSDP1's per-unit sync;
+  wrapped to restore tied weights the source has and this rank lost, then retry once.
+- ``torch.distributed.fsdp._init_utils._sync_params_and_buffers``: its byte mover.
+- ``torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states``: its CPU
+  refusal; lifted when the unit's group has gloo, kept (with a clearer message) otherwise.
+- ``torch.nn.parallel.distributed._sync_module_states``: DDP's init (and join) sync.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Container, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import fsdp as _fsdp
+from .agree import AgreementError
+from .sync import SyncStats, broadcast_tensors
+
+logger = logging.getLogger(__name__)
+
+_FSDP = "torch.distributed.fsdp._init_utils"
+_DDP = "torch.nn.parallel.distributed"
+_FSDP_SYNCED = "_fsdp_synced"  # the mark FSDP1 puts on buffers it synced (FSDP_SYNCED in _init_utils)
+
+
+@dataclass(frozen=True)
+class PatchedCall:
+    """One sync that went through a patched torch function."""
+
+    site: str  # "fsdp1" or "ddp"
+    stats: SyncStats
+
+
+@dataclass
+class _FsdpUnit:
+    module: nn.Module
+    group: dist.ProcessGroup
+    cpu_ok: bool
+
+
+_lock = threading.Lock()
+_originals: dict[tuple[str, str], Any] = {}  # (module, name) -> torch's function, while installed
+_history: deque[PatchedCall] = deque(maxlen=4096)
+_unit: contextvars.ContextVar[Optional[_FsdpUnit]] = contextvars.ContextVar("coalesced_bcast_fsdp_unit",
+                                                                             default=None)
+
+
+def _group(pg: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    return pg if pg is not None else dist.group.WORLD
+
+
+def _has_gloo(pg: dist.ProcessGroup) -> bool:
+    return "gloo" in str(dist.get_backend(pg))
+
+
+def _record(site: str, stats: SyncStats) -> None:
+    _history.append(PatchedCall(site, stats))
+    logger.debug("coalesced_bcast: %s sync of %d tensors (%d bytes) went through coalesced_bcast",
+                 site, stats.tensors, stats.bytes)
+
+
+def _tensor_names(module: nn.Module, tensors: list[torch.Tensor]) -> list[str]:
+    """Module paths for error messages; the tensors arrive detached, so match them by address and shape."""
+    where: dict[tuple, str] = {}
+    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        if t is not None and not t.is_meta:
+            where.setdefault((t.data_ptr(), t.dtype, tuple(t.shape)), name.replace("_fsdp_wrapped_module.", ""))
+    return [where.get((t.data_ptr(), t.dtype, tuple(t.shape)), "") for t in tensors]
+
+
+# ---------------------------------------------------------------------------------------------- FSDP1
+
+def _fsdp_sync_params_and_buffers(process_group: dist.ProcessGroup, module_states: list[torch.Tensor],
+                                  broadcast_bucket_size: int, src: int) -> None:
+    """Replaces torch.distributed.utils._sync_params_and_buffers as FSDP1's _init_utils sees it.
+
+    ``src`` is a group rank there (it goes to c10d's broadcast_coalesced); bucket size is ignored,
+    as the ring bounds the memory instead. An empty list still joins the agreement, so that a rank
+    whose list is not empty fails with a message instead of hanging.
+    """
+    pg = _group(process_group)
+    unit = _unit.get()
+    names = _tensor_names(unit.module, module_states) if unit is not None else None
+    stats = broadcast_tensors(module_states, dist.get_global_rank(pg, src), pg, names=names)
+    _record("fsdp1", stats)
+
+
+def _fsdp_check_module_states(module_states: list[torch.Tensor]) -> None:
+    """Replaces FSDP1's refusal of CPU states: allowed over gloo, refused with the tensor's name otherwise."""
+    unit = _unit.get()
+    if unit is None:
+        return _originals[(_FSDP, "_check_module_states_for_sync_module_states")](module_states)
+    if unit.cpu_ok:
+        return None
+    cpu = [i for i, t in enumerate(module_states) if t.device.type == "cpu"]
+    if cpu:
+        name = _tensor_names(unit.module, [module_states[cpu[0]]])[0] or f"state {cpu[0]}"
+        raise ValueError(
+            f"FSDP sync_module_states on rank {dist.get_rank()}: {len(cpu)} of the unit's "
+            f"{len(module_states)} parameters and buffers are on the CPU (first: '{name}', shape "
+            f"{list(module_states[cpu[0]].shape)}), but the process group's backend "
+            f"'{dist.get_backend(unit.group)}' cannot broadcast CPU tensors. Pass device_id= (e.g. "
+            f"torch.device('cuda', local_rank)) to FSDP so that it moves the module to the GPU before the "
+            f"sync, or use a gloo group for a CPU-only run.")
+    return None
+
+
+def _fsdp_sync_module_params_and_buffers(module: nn.Module, params: list[nn.Parameter],
+                                         process_group: dist.ProcessGroup) -> None:
+    """Wraps FSDP1's per-unit sync: on a structure mismatch (raised on every rank before any byte
+    moves), restore the source's ties on the other ranks and retry once.
+
+    ``params`` is FSDP's own list of the unit's managed parameters, which it flattens next: a re-tie
+    edits it in place so that it keeps matching the source's deduplicated list.
+    """
+    original = _originals[(_FSDP, "_sync_module_params_and_buffers")]
+    pg = _group(process_group)
+    token = _unit.set(_FsdpUnit(module, pg, _has_gloo(pg)))
+    unsynced = [b for b in module.buffers() if not getattr(b, _FSDP_SYNCED, False)]
+    try:
+        try:
+            return original(module, params, process_group)
+        except AgreementError as first:
+            mismatch = first
+        # Every rank is here (the agreement raises everywhere). The failed call already marked
+        # the buffers synced; unmark them so the retry sends them.
+        for b in unsynced:
+            setattr(b, _FSDP_SYNCED, False)
+        src = dist.get_global_rank(pg, 0)
+        retied = _fsdp.restore_ties(module, src, pg, only=params)
+        logger.info("coalesced_bcast: FSDP unit %s did not match source rank %d (%s); re-tied %d tensors on "
+                    "rank %d, retrying", type(module).__name__, src, mismatch, retied, dist.get_rank())
+        try:
+            return original(module, params, process_group)
+        except AgreementError as second:
+            raise AgreementError(
+                f"{second} (after restoring the source's tied weights on every rank; tied weights are "
+                f"supported within one FSDP unit, or across units with coalesced_bcast.fsdp.param_init_fn)"
+            ) from mismatch
+    finally:
+        _unit.reset(token)
+
+
+# ------------------------------------------------------------------------------------------------ DDP
+
+def _ddp_sync_module_states(module: nn.Module, process_group: dist.ProcessGroup, broadcast_bucket_size: int,
+                            src: int, params_and_buffers_to_ignore: Container[str],
+                            broadcast_buffers: bool = True) -> None:
+    """Replaces torch.distributed.utils._sync_module_states as DDP sees it: the same tensors
+    (deduplicated parameters, then buffers, minus the ignored names), from the same group rank."""
+    names, states = [], []
+    for name, p in module.named_parameters():
+        if name not in params_and_buffers_to_ignore:
+            names.append(name)
+            states.append(p.detach())
+    if broadcast_buffers:
+        for name, b in module.named_buffers():
+            if name not in params_and_buffers_to_ignore:
+                names.append(name)
+                states.append(b.detach())
+    if len({t.device for t in states}) > 1:
+        # A multi-device module (model parallel inside one process): torch buckets per device.
+        logger.info("coalesced_bcast: DDP module spans %s; using torch's own sync",
+                    sorted({str(t.device) for t in states}))
+        return _originals[(_DDP, "_sync_module_states")](
+            module, process_group, broadcast_bucket_size, src, params_and_buffers_to_ignore, broadcast_buffers)
+    pg = _group(process_group)
+    stats = broadcast_tensors(states, dist.get_global_rank(pg, src), pg, names=names)
+    _record("ddp", stats)
+
+
+# --------------------------------------------------------------------------------------- install API
+
+_REPLACEMENTS: list[tuple[str, str, Callable, str]] = [
+    (_FSDP, "_sync_module_params_and_buffers", _fsdp_sync_module_params_and_buffers,
+     "FSDP1 will not restore tied weights lost by to_empty"),
+    (_FSDP, "_sync_params_and_buffers", _fsdp_sync_params_and_buffers,
+     "FSDP1's sync_module_states keeps torch's broadcast"),
+    (_FSDP, "_check_module_states_for_sync_module_states", _fsdp_check_module_states,
+     "FSDP1 keeps refusing CPU modules, gloo included"),
+    (_DDP, "_sync_module_states", _ddp_sync_module_states, "DDP's init sync keeps torch's broadcast"),
+]
+
+
+def _wrap(repl: Callable, original: Callable) -> Callable:
+    """A fresh function with the original's name and doc, so that tracebacks and help() still read as torch's."""
+    @functools.wraps(original)
+    def patched(*args, **kwargs):
+        return repl(*args, **kwargs)
+    return patched
+
+
+def is_installed() -> bool:
+    return bool(_originals)
+
+
+def install() -> list[str]:
+    """Route FSDP1's ``sync_module_states`` and DDP's init sync through coalesced_bcast.
+
+    Idempotent. A name this torch lacks is logged (with the torch version) and skipped; the rest are
+    patched. Returns the dotted names now patched.
+    """
+    with _lock:
+        if _originals:
+            return [f"{m}.{n}" for m, n in _originals]
+        patched, missing = [], []
+        for mod_name, name, repl, consequence in _REPLACEMENTS:
+            try:
+                mod = importlib.import_module(mod_name)
+            except ImportError as e:
+                missing.append(f"{mod_name}.{name} ({consequence}; import failed: {e})")
+                continue
+            original = getattr(mod, name, None)
+            if not callable(original):
+                missing.append(f"{mod_name}.{name} ({consequence})")
+                continue
+            wrapper = _wrap(repl, original)
+            _originals[(mod_name, name)] = original
+            setattr(mod, name, wrapper)
+            patched.append(f"{mod_name}.{name}")
+        for m in missing:
+            logger.warning("coalesced_bcast.install: torch %s has no %s", torch.__version__, m)
+        logger.info("coalesced_bcast.install: torch %s: patched %s", torch.__version__,
+                    ", ".join(patched) or "nothing")
+        return patched
+
+
+def uninstall() -> None:
+    """Put torch's own functions back (a no-op when not installed)."""
+    with _lock:
+        for (mod_name, name), original in _originals.items():
+            mod = importlib.import_module(mod_name)
+            current = getattr(mod, name, None)
+            if getattr(current, "__wrapped__", None) is not original:
+                logger.warning("coalesced_bcast.uninstall: %s.%s was replaced by someone else after install(); "
+                               "restoring torch's own anyway", mod_name, name)
+            setattr(mod, name, original)
+        if _originals:
+            logger.info("coalesced_bcast.uninstall: restored %d torch functions", len(_originals))
+        _originals.clear()
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[list[str]]:
+    """``install()`` for the duration of a ``with`` block; leaves an earlier ``install()`` in place."""
+    was = is_installed()
+    patched = install()
+    try:
+        yield patched
+    finally:
+        if not was:
+            uninstall()
+
+
+def patched_calls(clear: bool = False) -> list[PatchedCall]:
+    """The syncs (most recent 4096) that went through the patched functions in this process."""
+    out = list(_history)
+    if clear:
+        _history.clear()
+    return out

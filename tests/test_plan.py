@@ -1,0 +1,135 @@
+"""Planner unit tests: no communication, one process."""
+import pytest
+import torch
+
+from coalesced_bcast import _C
+
+KIB = 1024
+
+
+def plan(tensors, bucket=4 * KIB, depth=3, inplace=1 << 40, coalesce=1 << 30, names=()):
+    return _C.Plan(list(tensors), list(names), bucket, depth, inplace, coalesce, 0)
+
+
+def runs(p):
+    """Every (unique, tensor_offset, bucket_offset, nbytes, strided) run, with its bucket index."""
+    return [(k, *op) for k, (_, ops) in enumerate(p.bucket_table()) for op in ops]
+
+
+def test_bucket_boundaries_and_splitting():
+    a = torch.zeros(1000, dtype=torch.float32)  # 4000 bytes
+    b = torch.zeros(3000, dtype=torch.float32)  # 12000 bytes: spans buckets
+    c = torch.zeros(10, dtype=torch.int8)
+    p = plan([a, b, c])
+    table = p.bucket_table()
+    assert all(nbytes <= 4 * KIB for nbytes, _ in table)
+    # a at 0; b starts at 4000 (already 16-aligned) and is cut at each 4 KiB boundary
+    assert runs(p)[0] == (0, 0, 0, 0, 4000, False)
+    b_runs = [r for r in runs(p) if r[1] == 1]
+    assert [r[2] for r in b_runs] == [0, 96, 96 + 4096, 96 + 8192]
+    assert sum(r[4] for r in b_runs) == 12000
+    assert all(r[3] == 0 for r in b_runs[1:])  # later pieces start their bucket
+    assert p.num_buckets == len(table) == 4
+    assert p.packed_bytes == 4000 + 12000 + 10
+
+
+def test_alignment_of_every_tensor_start():
+    ts = [torch.zeros(n, dtype=torch.uint8) for n in (1, 3, 17, 33, 5)]
+    p = plan(ts)
+    starts = [r[3] for r in runs(p) if r[2] == 0]
+    assert starts == [0, 16, 32, 64, 112]  # 1, 3, 17, 33 bytes, each rounded up to 16
+    assert all(s % 16 == 0 for s in starts)
+
+
+def test_no_run_crosses_a_bucket_and_runs_are_sorted():
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.zeros(int(torch.randint(1, 3000, (1,), generator=g)), dtype=torch.float16) for _ in range(200)]
+    p = plan(ts, bucket=8 * KIB)
+    for nbytes, ops in p.bucket_table():
+        ends = [o[2] + o[3] for o in ops]
+        assert max(ends) == nbytes <= 8 * KIB
+        assert all(ops[i][2] + ops[i][3] <= ops[i + 1][2] for i in range(len(ops) - 1))
+    per_tensor = {}
+    for r in runs(p):
+        per_tensor[r[1]] = per_tensor.get(r[1], 0) + r[4]
+    assert per_tensor == {u: t.numel() * 2 for u, t in enumerate(ts)}
+
+
+def test_tied_and_aliased_tensors_are_sent_once():
+    w = torch.zeros(64, 8)
+    other = torch.zeros(5)
+    # w, w again and its reshaped alias (the same byte range) map to one unique tensor
+    p = plan([w, other, w, w.view(-1)])
+    assert p.input_to_unique == [0, 1, 0, 0]
+    assert p.num_unique == 2
+    assert p.total_bytes == w.numel() * 4 + 5 * 4
+
+
+def test_overlapping_views_are_refused_with_names():
+    base = torch.zeros(100)
+    with pytest.raises(ValueError, match=r"tensor 0 \('a'\) on rank 0.*tensor 1 \('b'\).*overlapping"):
+        plan([base[:60], base[40:]], names=["a", "b"])
+    with pytest.raises(ValueError, match="overlapping"):
+        plan([base.view(10, 10), base.view(10, 10).t()])
+
+
+def test_interleaved_strided_views_are_allowed():
+    base = torch.zeros(8, 10)
+    p = plan([base[:, 0::2], base[:, 1::2]])
+    assert p.num_unique == 2
+    assert all(r[5] for r in runs(p))  # both strided
+
+
+def test_inplace_threshold_and_coalesced_groups():
+    big = [torch.zeros(1024) for _ in range(5)]  # 4 KiB each
+    small = torch.zeros(10)
+    p = plan(big + [small], inplace=4 * KIB, coalesce=8 * KIB)
+    assert p.num_inplace == 5
+    assert p.inplace_groups == [[0, 1], [2, 3], [4]]
+    assert p.packed_bytes == 40
+    # non-contiguous tensors are never in place, whatever their size
+    p = plan([torch.zeros(64, 64).t()], inplace=1)
+    assert p.num_inplace == 0 and p.num_buckets == 4  # 16 KiB through 4 KiB buckets
+
+
+def test_ring_is_bounded_by_depth_and_shrinks_to_the_data():
+    ts = [torch.zeros(1000) for _ in range(40)]  # 160 KB: 40 buckets of 4 KiB
+    p = plan(ts, depth=3)
+    assert (p.ring_slots, p.slot_bytes) == (3, 4 * KIB)
+    p = plan(ts[:1], depth=3)
+    assert (p.ring_slots, p.slot_bytes) == (1, 4000)
+
+
+def test_empty_and_zero_element_tensors():
+    p = plan([])
+    assert (p.num_unique, p.num_buckets) == (0, 0)
+    p = plan([torch.zeros(0, 3), torch.zeros(())])
+    assert p.num_unique == 2 and p.total_bytes == 4 and p.num_buckets == 1
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda: torch.zeros(3, device="meta"), "meta device"),
+    (lambda: torch.zeros(3, 3).to_sparse(), "sparse"),
+    (lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]), "nested"),
+    (lambda: torch.zeros(1).expand(4), "overlaps itself"),
+])
+def test_bad_input_names_tensor_and_rank(bad, match):
+    with pytest.raises(ValueError, match=rf"tensor 1 \('x.bad'\) on rank 0.*{match}|{match}"):
+        plan([torch.zeros(2), bad()], names=["ok", "x.bad"])
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan([torch.zeros(2)], bucket=1000)
+    with pytest.raises(ValueError, match="ring_depth"):
+        plan([torch.zeros(2)], depth=0)
+
+
+def test_fingerprint_captures_structure_not_values():
+    a = [torch.zeros(4, 3), torch.ones(2, dtype=torch.int64)]
+    b = [torch.randn(4, 3), torch.full((2,), 7, dtype=torch.int64)]
+    assert torch.equal(plan(a).fingerprint(), plan(b).fingerprint())
+    c = [torch.zeros(3, 4), torch.ones(2, dtype=torch.int64)]
+    assert not torch.equal(plan(a).fingerprint(), plan(c).fingerprint())
+    w = torch.zeros(3)
+    assert not torch.equal(plan([w, w]).fingerprint(), plan([w, w.clone()]).fingerprint())
