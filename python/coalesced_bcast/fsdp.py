@@ -5,10 +5,21 @@ each of their modules before its per-unit sync, and the sync then writes the sou
 
     model = FSDP(model, sync_module_states=True, device_id=dev,
                  param_init_fn=coalesced_bcast.fsdp.param_init_fn(dev))
+
+Tied weights (``lm_head.weight is embed.weight`` on the source):
+- with this ``param_init_fn``, a tie present in the meta model stays one tensor, whether both modules
+  are in one FSDP unit or in different units: the other ranks then have the source's structure;
+- with another ``param_init_fn`` that splits ties (plain ``to_empty``, pytorch issue 143181), or a
+  meta model built without the tie, ``install()`` repairs ties *within one FSDP unit*: when the
+  unit's structure check fails (on every rank, before any byte moves), the source sends its tie
+  groups by parameter name, the other ranks re-point the names and the sync is retried once;
+- anything still different (a tie across units that was split, another shape, a tie the source
+  lacks) raises the same AgreementError on every rank, naming the tensor.
 """
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Iterable, Optional, Union
 
 import torch
@@ -33,8 +44,10 @@ class MetaMaterializer:
 
     def __init__(self, device: Union[torch.device, str, int]):
         self.device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-        # id(meta tensor) -> (meta tensor, its replacement); the meta tensor is kept so its id stays unique.
-        self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(meta tensor) -> its replacement, only while the meta tensor lives, i.e. while some module
+        # still holds it: a strong reference past that would keep every original parameter (the whole
+        # model) alive after FSDP flattened and sharded it.
+        self._memo: dict[int, torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return f"coalesced_bcast.fsdp.param_init_fn({self.device})"
@@ -58,13 +71,19 @@ class MetaMaterializer:
                     if b.is_meta:
                         module._buffers[k] = self._new(b, lambda: torch.empty_like(b, device=self.device))
         for k, p in params.items():
-            self._memo.setdefault(id(p), (p, module._parameters[k]))
+            self._remember(p, module._parameters[k])
         for k, b in buffers.items():
-            self._memo.setdefault(id(b), (b, module._buffers[k]))
+            self._remember(b, module._buffers[k])
+
+    def _remember(self, meta: torch.Tensor, new: torch.Tensor) -> None:
+        if new is meta or not meta.is_meta or id(meta) in self._memo:  # swapped in place: ties hold already
+            return
+        self._memo[id(meta)] = new
+        weakref.finalize(meta, self._memo.pop, id(meta), None)
 
     def _new(self, meta: torch.Tensor, make) -> torch.Tensor:
         hit = self._memo.get(id(meta))
-        return hit[1] if hit is not None else make()
+        return hit if hit is not None else make()
 
 
 def param_init_fn(device: Union[torch.device, str, int]) -> MetaMaterializer:

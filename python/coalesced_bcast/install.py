@@ -75,18 +75,23 @@ def _record(site: str, stats: SyncStats) -> None:
 
 
 def _tensor_names(module: nn.Module, tensors: list[torch.Tensor]) -> list[str]:
-    """Module paths for error messages; the tensors arrive detached, so match them by address and shape."""
+    """Names for error messages, as '<UnitClass>.path' (a unit does not know its own path in the model).
+
+    The tensors arrive detached: match them by address, dtype and shape.
+    """
     where: dict[tuple, str] = {}
+    prefix = f"<{type(module).__name__}>."
     for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
         if t is not None and not t.is_meta:
-            where.setdefault((t.data_ptr(), t.dtype, tuple(t.shape)), name.replace("_fsdp_wrapped_module.", ""))
+            where.setdefault((t.data_ptr(), t.dtype, tuple(t.shape)),
+                             prefix + name.replace("_fsdp_wrapped_module.", ""))
     return [where.get((t.data_ptr(), t.dtype, tuple(t.shape)), "") for t in tensors]
 
 
 # ---------------------------------------------------------------------------------------------- FSDP1
 
-def _fsdp_sync_params_and_buffers(process_group: dist.ProcessGroup, module_states: list[torch.Tensor],
-                                  broadcast_bucket_size: int, src: int) -> None:
+def _fsdp_sync_params_and_buffers(original: Callable, process_group: dist.ProcessGroup,
+                                  module_states: list[torch.Tensor], broadcast_bucket_size: int, src: int) -> None:
     """Replaces torch.distributed.utils._sync_params_and_buffers as FSDP1's _init_utils sees it.
 
     ``src`` is a group rank there (it goes to c10d's broadcast_coalesced); bucket size is ignored,
@@ -100,11 +105,11 @@ def _fsdp_sync_params_and_buffers(process_group: dist.ProcessGroup, module_state
     _record("fsdp1", stats)
 
 
-def _fsdp_check_module_states(module_states: list[torch.Tensor]) -> None:
+def _fsdp_check_module_states(original: Callable, module_states: list[torch.Tensor]) -> None:
     """Replaces FSDP1's refusal of CPU states: allowed over gloo, refused with the tensor's name otherwise."""
     unit = _unit.get()
-    if unit is None:
-        return _originals[(_FSDP, "_check_module_states_for_sync_module_states")](module_states)
+    if unit is None:  # called from outside FSDP1's per-unit sync: torch's own check
+        return original(module_states)
     if unit.cpu_ok:
         return None
     cpu = [i for i, t in enumerate(module_states) if t.device.type == "cpu"]
@@ -120,7 +125,7 @@ def _fsdp_check_module_states(module_states: list[torch.Tensor]) -> None:
     return None
 
 
-def _fsdp_sync_module_params_and_buffers(module: nn.Module, params: list[nn.Parameter],
+def _fsdp_sync_module_params_and_buffers(original: Callable, module: nn.Module, params: list[nn.Parameter],
                                          process_group: dist.ProcessGroup) -> None:
     """Wraps FSDP1's per-unit sync: on a structure mismatch (raised on every rank before any byte
     moves), restore the source's ties on the other ranks and retry once.
@@ -128,7 +133,6 @@ def _fsdp_sync_module_params_and_buffers(module: nn.Module, params: list[nn.Para
     ``params`` is FSDP's own list of the unit's managed parameters, which it flattens next: a re-tie
     edits it in place so that it keeps matching the source's deduplicated list.
     """
-    original = _originals[(_FSDP, "_sync_module_params_and_buffers")]
     pg = _group(process_group)
     token = _unit.set(_FsdpUnit(module, pg, _has_gloo(pg)))
     unsynced = [b for b in module.buffers() if not getattr(b, _FSDP_SYNCED, False)]
@@ -143,8 +147,9 @@ def _fsdp_sync_module_params_and_buffers(module: nn.Module, params: list[nn.Para
             setattr(b, _FSDP_SYNCED, False)
         src = dist.get_global_rank(pg, 0)
         retied = _fsdp.restore_ties(module, src, pg, only=params)
-        logger.info("coalesced_bcast: FSDP unit %s did not match source rank %d (%s); re-tied %d tensors on "
-                    "rank %d, retrying", type(module).__name__, src, mismatch, retied, dist.get_rank())
+        logger.info("coalesced_bcast: FSDP unit %s did not match source rank %d (%s); after restoring the "
+                    "source's ties (%d re-pointed on rank %d), retrying", type(module).__name__, src, mismatch,
+                    retied, dist.get_rank())
         try:
             return original(module, params, process_group)
         except AgreementError as second:
@@ -158,8 +163,8 @@ def _fsdp_sync_module_params_and_buffers(module: nn.Module, params: list[nn.Para
 
 # ------------------------------------------------------------------------------------------------ DDP
 
-def _ddp_sync_module_states(module: nn.Module, process_group: dist.ProcessGroup, broadcast_bucket_size: int,
-                            src: int, params_and_buffers_to_ignore: Container[str],
+def _ddp_sync_module_states(original: Callable, module: nn.Module, process_group: dist.ProcessGroup,
+                            broadcast_bucket_size: int, src: int, params_and_buffers_to_ignore: Container[str],
                             broadcast_buffers: bool = True) -> None:
     """Replaces torch.distributed.utils._sync_module_states as DDP sees it: the same tensors
     (deduplicated parameters, then buffers, minus the ignored names), from the same group rank."""
@@ -177,7 +182,7 @@ def _ddp_sync_module_states(module: nn.Module, process_group: dist.ProcessGroup,
         # A multi-device module (model parallel inside one process): torch buckets per device.
         logger.info("coalesced_bcast: DDP module spans %s; using torch's own sync",
                     sorted({str(t.device) for t in states}))
-        return _originals[(_DDP, "_sync_module_states")](
+        return original(
             module, process_group, broadcast_bucket_size, src, params_and_buffers_to_ignore, broadcast_buffers)
     pg = _group(process_group)
     stats = broadcast_tensors(states, dist.get_global_rank(pg, src), pg, names=names)
@@ -201,7 +206,7 @@ def _wrap(repl: Callable, original: Callable) -> Callable:
     """A fresh function with the original's name and doc, so that tracebacks and help() still read as torch's."""
     @functools.wraps(original)
     def patched(*args, **kwargs):
-        return repl(*args, **kwargs)
+        return repl(original, *args, **kwargs)
     return patched
 
 

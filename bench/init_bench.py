@@ -1,0 +1,449 @@
+"""FSDP1 and DDP init through coalesced_bcast.install(), next to torch's own, in one run (issue 4).
+
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/init_bench.py \
+        [--modes fsdp1_base,fsdp1_cb,...] [--out FILE] [--small]
+
+Modes (each runnable alone; repeat a name to repeat it):
+  fsdp1_base / fsdp1_cb   Llama-8B-shaped model (the model of shared/anchors/baseline_bcast.py), FSDP1
+                          with a unit per Block and sync_module_states: rank 0 builds it on the device,
+                          the others on meta. base: torch's sync, param_init_fn = to_empty(recurse=False);
+                          cb: install() and coalesced_bcast.fsdp.param_init_fn.
+  ddp_base / ddp_cb       DDP on the same model; rank 0 random, the others to_empty (every rank holds it).
+  hf_tied / hf_untied     transformers LlamaForCausalLM from a small LlamaConfig (tie_word_embeddings
+                          true/false): random on rank 0, meta elsewhere; FSDP1 + install() + our param_init_fn.
+  hf_tied_to_empty        the same, tied, with a plain to_empty param_init_fn (ties split, pytorch issue
+                          143181): install() restores them from the source's names.
+Every mode checks every parameter and buffer on every rank bitwise against the source's (a per-tensor
+digest of the bits computed on the source before the wrap; FSDP states under summon_full_params).
+
+One JSON line per rank and mode: seconds (the FSDP/DDP constructor), sync_seconds (inside torch's sync
+function, whichever is installed), memory in GiB: base (allocated before), peak allocated/reserved
+(absolute, and extra over the start), and the same extra inside the sync calls alone (sync_extra_*):
+the peak of the whole constructor is the max over the sync windows and the windows between them.
+The last line is a summary against the issue's targets. On CPU (gloo) --small runs the same modes,
+scaled down, without memory figures; torch's FSDP1 refuses CPU states, so fsdp1_base is skipped there.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gc
+import importlib
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import coalesced_bcast  # noqa: E402
+
+GiB = 2**30
+ALL_MODES = ["fsdp1_base", "fsdp1_cb", "fsdp1_base", "fsdp1_cb", "ddp_base", "ddp_cb", "ddp_base", "ddp_cb",
+             "hf_tied", "hf_untied", "hf_tied_to_empty"]
+FSDP_INIT = "torch.distributed.fsdp._init_utils"
+DDP_MOD = "torch.nn.parallel.distributed"
+# Targets of issue 4 (GiB), measured on 2x H200, torch 2.11: rank 1's FSDP1 peak allocated, DDP's sync extra.
+FSDP1_RANK1_PEAK_TARGET = 10.4
+
+
+# ------------------------------------------------------------------------------------------ models
+
+class Block(nn.Module):
+    """As in shared/anchors/baseline_bcast.py (Llama-3-8B shapes by default)."""
+
+    def __init__(self, hidden=4096, inter=14336, kv=1024):
+        super().__init__()
+        self.q = nn.Linear(hidden, hidden, bias=False)
+        self.k = nn.Linear(hidden, kv, bias=False)
+        self.v = nn.Linear(hidden, kv, bias=False)
+        self.o = nn.Linear(hidden, hidden, bias=False)
+        self.gate = nn.Linear(hidden, inter, bias=False)
+        self.up = nn.Linear(hidden, inter, bias=False)
+        self.down = nn.Linear(inter, hidden, bias=False)
+        self.n1 = nn.LayerNorm(hidden)
+        self.n2 = nn.LayerNorm(hidden)
+
+
+class Model(nn.Module):
+    def __init__(self, layers=32, hidden=4096, inter=14336, kv=1024, vocab=128256):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList([Block(hidden, inter, kv) for _ in range(layers)])
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+
+FULL = dict(layers=32, hidden=4096, inter=14336, kv=1024, vocab=128256)
+SMALL = dict(layers=3, hidden=128, inter=320, kv=32, vocab=1000)
+HF_FULL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+               num_attention_heads=8, num_key_value_heads=4)
+HF_SMALL = dict(vocab_size=500, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build(make: Callable[[], nn.Module], on_meta: bool, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Random init on the source's device (in `dtype` directly: no fp32 copy), or on meta."""
+    with default_dtype(dtype), torch.device("meta" if on_meta else device):
+        return make()
+
+
+# ---------------------------------------------------------------------------------------- checking
+
+def digest(t: torch.Tensor) -> tuple[int, int, str, tuple]:
+    """A function of the exact bits, position-sensitive: two wrapping int64 sums over 8-byte words."""
+    b = t.detach().contiguous().view(-1).view(torch.uint8)
+    if b.numel() % 8:
+        b = torch.cat([b, b.new_zeros(8 - b.numel() % 8)])
+    w = b.view(torch.int64)
+    idx = torch.arange(1, w.numel() + 1, device=w.device, dtype=torch.int64)
+    return int(w.sum()), int((w * idx).sum()), str(t.dtype), tuple(t.shape)
+
+
+def named_states(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    out = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    return [(n.replace("_fsdp_wrapped_module.", ""), t) for n, t in out if t is not None]
+
+
+def digests(module: nn.Module) -> dict[str, tuple]:
+    return {n: digest(t) for n, t in named_states(module)}
+
+
+def share_reference(module: Optional[nn.Module], extra: dict) -> tuple[dict, dict]:
+    """The source's digests (and facts such as ties), computed on rank 0 before the wrap, to every rank."""
+    box = [(digests(module), extra) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def compare(got: dict, want: dict) -> list[str]:
+    bad = sorted(got.keys() ^ want.keys())
+    bad += [n for n in want if n in got and got[n] != want[n]]
+    return bad
+
+
+# ------------------------------------------------------------------------------------------- probes
+
+class Probe:
+    """Peak memory inside the sync calls alone, and the peak of everything, by cutting the run into windows.
+
+    torch has one peak counter; resetting it at each sync boundary and keeping the max of every window
+    gives both the whole run's peak and the peak within sync calls.
+    """
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.peak_alloc = self.peak_reserved = 0
+        self.sync_extra_alloc = self.sync_extra_reserved = 0
+        self.sync_peak_alloc = self.sync_peak_reserved = 0  # absolute, the max over the sync windows
+        self.sync_seconds = 0.0
+        self.calls = 0
+        self._undo: list = []
+
+    def _sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def cut(self) -> tuple[int, int]:
+        self._sync()
+        if not self.cuda:
+            return 0, 0
+        pa, pr = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        self.peak_alloc, self.peak_reserved = max(self.peak_alloc, pa), max(self.peak_reserved, pr)
+        torch.cuda.reset_peak_memory_stats()
+        return pa, pr
+
+    def attach(self, mod_name: str, name: str) -> None:
+        mod = importlib.import_module(mod_name)
+        fn = getattr(mod, name)
+
+        def probed(*args, **kwargs):
+            self.cut()
+            a0 = torch.cuda.memory_allocated() if self.cuda else 0
+            r0 = torch.cuda.memory_reserved() if self.cuda else 0
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._sync()
+                self.sync_seconds += time.perf_counter() - t0
+                self.calls += 1
+                pa, pr = self.cut()
+                self.sync_extra_alloc = max(self.sync_extra_alloc, pa - a0)
+                self.sync_extra_reserved = max(self.sync_extra_reserved, pr - r0)
+                self.sync_peak_alloc = max(self.sync_peak_alloc, pa)
+                self.sync_peak_reserved = max(self.sync_peak_reserved, pr)
+
+        setattr(mod, name, probed)
+        self._undo.append((mod, name, fn))
+
+    def detach(self) -> None:
+        for mod, name, fn in reversed(self._undo):
+            setattr(mod, name, fn)
+        self._undo.clear()
+
+
+def gib(x: Optional[float]) -> Optional[float]:
+    return None if x is None else round(x / GiB, 4)
+
+
+def clean(cuda: bool) -> None:
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# -------------------------------------------------------------------------------------------- modes
+
+class Ctx:
+    def __init__(self, args):
+        self.args = args
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.cuda = torch.cuda.is_available() and not args.cpu
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        self.small = args.small or not self.cuda
+        self.dtype = torch.bfloat16
+
+
+def measure(ctx: Ctx, wrap: Callable[[], nn.Module], probe_site: tuple[str, str], cb: bool) -> tuple[nn.Module, dict]:
+    """Run the constructor `wrap` with the probe attached (and install() for cb); timing and memory."""
+    clean(ctx.cuda)
+    base = torch.cuda.memory_allocated() if ctx.cuda else None
+    base_r = torch.cuda.memory_reserved() if ctx.cuda else None
+    probe = Probe(ctx.cuda)
+    if cb:
+        coalesced_bcast.install()
+        coalesced_bcast.patched_calls(clear=True)
+    probe.attach(*probe_site)
+    try:
+        if ctx.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        dist.barrier()
+        probe.cut()
+        t0 = time.perf_counter()
+        wrapped = wrap()
+        probe.cut()
+        seconds = time.perf_counter() - t0
+    finally:
+        probe.detach()
+        calls = coalesced_bcast.patched_calls(clear=True) if cb else []
+        if cb:
+            coalesced_bcast.uninstall()
+    row = dict(seconds=round(seconds, 4), sync_seconds=round(probe.sync_seconds, 4), sync_calls=probe.calls,
+               cb_calls=len(calls), ring_MiB=round(max((c.stats.ring_bytes for c in calls), default=0) / 2**20, 2))
+    if ctx.cuda:
+        row.update(base_alloc_GiB=gib(base), peak_alloc_GiB=gib(probe.peak_alloc),
+                   peak_reserved_GiB=gib(probe.peak_reserved), extra_alloc_GiB=gib(probe.peak_alloc - base),
+                   extra_reserved_GiB=gib(probe.peak_reserved - base_r),
+                   sync_extra_alloc_GiB=gib(probe.sync_extra_alloc),
+                   sync_extra_reserved_GiB=gib(probe.sync_extra_reserved),
+                   sync_peak_alloc_GiB=gib(probe.sync_peak_alloc),
+                   sync_peak_reserved_GiB=gib(probe.sync_peak_reserved),
+                   final_alloc_GiB=gib(torch.cuda.memory_allocated()))
+    return wrapped, row
+
+
+def fsdp_mode(ctx: Ctx, make: Callable[[], nn.Module], unit_types: set, cb: bool, plain_to_empty: bool,
+              tie_names: Optional[tuple[str, str]] = None) -> dict:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    model = build(make, on_meta=ctx.rank != 0, device=ctx.device, dtype=ctx.dtype)
+    state_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def tied(m: nn.Module) -> Optional[bool]:
+        if tie_names is None:
+            return None
+        # getattr, not get_parameter: under summon_full_params FSDP may expose plain tensors
+        a, b = (functools.reduce(getattr, n.split("."), m) for n in tie_names)
+        return a.data_ptr() == b.data_ptr()
+
+    want, facts = share_reference(model if ctx.rank == 0 else None, {"tied": tied(model) if ctx.rank == 0 else None})
+    if plain_to_empty:
+        init_fn = lambda m: m.to_empty(device=ctx.device, recurse=False)  # noqa: E731
+    else:
+        init_fn = coalesced_bcast.fsdp.param_init_fn(ctx.device)
+    fsdp, row = measure(ctx, lambda: FSDP(model, auto_wrap_policy=ModuleWrapPolicy(unit_types),
+                                          device_id=ctx.device, sync_module_states=True,
+                                          param_init_fn=init_fn if ctx.rank else None),
+                        (FSDP_INIT, "_sync_module_params_and_buffers"), cb)
+    row["units"] = len(FSDP.fsdp_modules(fsdp))
+    with FSDP.summon_full_params(fsdp, writeback=False):
+        got = digests(fsdp)
+        row["tied"] = tied(fsdp.module)
+    bad = compare(got, want)
+    row.update(state_GiB=round(state_bytes / GiB, 4), tensors=len(want), mismatches=bad[:8],
+               correct=not bad and row["tied"] == facts["tied"] and (not cb or row["cb_calls"] == row["units"]))
+    del fsdp, model
+    return row
+
+
+def ddp_mode(ctx: Ctx, make: Callable[[], nn.Module], cb: bool) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = build(make, on_meta=ctx.rank != 0, device=ctx.device, dtype=ctx.dtype)
+    if ctx.rank:
+        model.to_empty(device=ctx.device)
+    state_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    want, _ = share_reference(model if ctx.rank == 0 else None, {})
+    ddp, row = measure(ctx, lambda: DDP(model, device_ids=[ctx.device.index] if ctx.cuda else None),
+                       (DDP_MOD, "_sync_module_states"), cb)
+    bad = compare(digests(ddp.module), want)
+    row.update(state_GiB=round(state_bytes / GiB, 4), tensors=len(want), mismatches=bad[:8],
+               correct=not bad and (not cb or row["cb_calls"] == 1))
+    del ddp, model
+    return row
+
+
+def hf_make(ctx: Ctx, tie: bool) -> tuple[Callable[[], nn.Module], set]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    cfg = LlamaConfig(**(HF_SMALL if ctx.small else HF_FULL), tie_word_embeddings=tie)
+    return (lambda: LlamaForCausalLM(cfg)), {LlamaDecoderLayer}
+
+
+def run_mode(ctx: Ctx, mode: str) -> dict:
+    dims = SMALL if ctx.small else FULL
+    make = lambda: Model(**dims)  # noqa: E731
+    if mode in ("fsdp1_base", "fsdp1_cb"):
+        if mode == "fsdp1_base" and not ctx.cuda:
+            return {"skipped": "torch's FSDP1 refuses CPU states with sync_module_states"}
+        return fsdp_mode(ctx, make, {Block}, cb=mode.endswith("_cb"), plain_to_empty=mode.endswith("_base"))
+    if mode in ("ddp_base", "ddp_cb"):
+        return ddp_mode(ctx, make, cb=mode.endswith("_cb"))
+    if mode in ("hf_tied", "hf_untied", "hf_tied_to_empty"):
+        try:
+            tie = mode != "hf_untied"
+            hf, units = hf_make(ctx, tie)
+        except ImportError as e:
+            return {"skipped": f"transformers not importable: {e}"}
+        return fsdp_mode(ctx, hf, units, cb=True, plain_to_empty=mode == "hf_tied_to_empty",
+                         tie_names=("lm_head.weight", "model.embed_tokens.weight"))
+    raise ValueError(f"unknown mode {mode!r}; modes: {sorted(set(ALL_MODES))}")
+
+
+def warmup(ctx: Ctx) -> None:
+    """NCCL communicators, CUDA context, allocator and the extension's streams, before anything is timed."""
+    t = torch.ones(1 << 20, device=ctx.device)
+    dist.broadcast(t, 0)
+    coalesced_bcast.broadcast_tensors([t], 0)
+    old = ctx.small
+    ctx.small = True
+    for mode in ("fsdp1_cb", "ddp_cb", "ddp_base") + (("fsdp1_base",) if ctx.cuda else ()):
+        run_mode(ctx, mode)
+    ctx.small = old
+    clean(ctx.cuda)
+
+
+# --------------------------------------------------------------------------------------------- main
+
+def summarize(rows: list[dict]) -> dict:
+    """Best of the repetitions per (mode, rank), then the issue's targets."""
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        if "seconds" not in r:
+            continue
+        k = (r["mode"], r["rank"])
+        if k not in best or r["seconds"] < best[k]["seconds"]:
+            best[k] = r
+    out: dict = {"mode": "summary", "all_correct": all(r.get("correct", True) for r in rows),
+                 "errors": [f"{r['mode']}@{r['rank']}: {r['error']}" for r in rows if "error" in r]}
+
+    def get(mode, rank, key):
+        return best.get((mode, rank), {}).get(key)
+
+    ranks = sorted({r["rank"] for r in rows})
+    for kind in ("fsdp1", "ddp"):
+        b, c = f"{kind}_base", f"{kind}_cb"
+        for rank in ranks:
+            for key in ("seconds", "sync_seconds", "peak_alloc_GiB", "peak_reserved_GiB", "sync_peak_alloc_GiB",
+                        "sync_peak_reserved_GiB", "sync_extra_alloc_GiB", "sync_extra_reserved_GiB"):
+                vb, vc = get(b, rank, key), get(c, rank, key)
+                if vb is not None or vc is not None:
+                    out[f"{kind}.r{rank}.{key}"] = [vb, vc]
+    p1 = get("fsdp1_cb", 1, "peak_alloc_GiB")
+    if p1 is not None:
+        out["target.fsdp1_rank1_peak_alloc<=10.4"] = p1 <= FSDP1_RANK1_PEAK_TARGET
+        out["target.fsdp1_peak_reserved<=base"] = all(
+            (get("fsdp1_cb", r, "peak_reserved_GiB") or 0) <= (get("fsdp1_base", r, "peak_reserved_GiB") or 0)
+            for r in ranks)
+    ring = max((get("ddp_cb", r, "ring_MiB") or 0) for r in ranks) / 1024
+    if get("ddp_cb", 0, "sync_extra_alloc_GiB") is not None:
+        # The ring plus the copy table and the agreement's few KiB: allow 1 MiB over the ring.
+        out["target.ddp_sync_extra_alloc<=ring"] = all(
+            (get("ddp_cb", r, "sync_extra_alloc_GiB") or 0) <= ring + 1 / 1024 for r in ranks)
+    for kind in ("fsdp1", "ddp"):
+        tb = [get(f"{kind}_base", r, "seconds") for r in ranks]
+        tc = [get(f"{kind}_cb", r, "seconds") for r in ranks]
+        if all(x is not None for x in tb + tc):
+            out[f"target.{kind}_time_no_slower(max over ranks, 5% slack)"] = max(tc) <= 1.05 * max(tb)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default=",".join(ALL_MODES), help="comma-separated; default: all, big ones twice")
+    ap.add_argument("--out", default=None, help="JSON lines file (default: $OUT/init.jsonl or ./init_bench.jsonl)")
+    ap.add_argument("--small", action="store_true", help="scaled-down models (the default on CPU)")
+    ap.add_argument("--cpu", action="store_true", help="gloo on CPU even where GPUs exist")
+    args = ap.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    out = args.out or (os.path.join(os.environ["OUT"], "init.jsonl") if os.environ.get("OUT") else "init_bench.jsonl")
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=timedelta(seconds=180))
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    ctx = Ctx(args)
+    if ctx.rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        open(out, "w").close()
+    warmup(ctx)
+
+    rows: list[dict] = []
+    reps: dict[str, int] = {}
+    for mode in modes:
+        reps[mode] = reps.get(mode, 0) + 1
+        try:
+            row = run_mode(ctx, mode)
+        except Exception as e:  # every mode is collective: a rank's error is reported, the run goes on
+            row = {"error": f"{type(e).__name__}: {e}"[:2000], "correct": False}
+        clean(ctx.cuda)
+        row = dict(mode=mode, rep=reps[mode], rank=ctx.rank, world=ctx.world, device=str(ctx.device),
+                   small=ctx.small, torch=torch.__version__, **row)
+        every = [None] * ctx.world
+        dist.all_gather_object(every, row)
+        rows += every
+        if ctx.rank == 0:
+            with open(out, "a") as f:
+                for r in every:
+                    f.write(json.dumps(r) + "\n")
+                    print(json.dumps(r), flush=True)
+    if ctx.rank == 0:
+        summary = summarize(rows)
+        with open(out, "a") as f:
+            f.write(json.dumps(summary) + "\n")
+        print(json.dumps(summary), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""install() on CPU over gloo: DDP and FSDP1 init go through coalesced_bcast and end bitwise equal to the source."""
+import logging
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import coalesced_bcast
+from dist_utils import run_ranks
+from zoo import same_bits
+
+SOURCE_SEED = 1234
+CPU = torch.device("cpu")
+
+
+class Block(nn.Module):
+    def __init__(self, hidden=24):
+        super().__init__()
+        self.up = nn.Linear(hidden, 2 * hidden)
+        self.down = nn.Linear(2 * hidden, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.register_buffer("scale", torch.rand(hidden))
+        self.register_buffer("inv_freq", torch.rand(hidden // 2, dtype=torch.float64), persistent=False)
+
+
+class Head(nn.Linear):
+    """Its own class so that a wrap policy can make it a unit of its own."""
+
+
+class Net(nn.Module):
+    def __init__(self, tied: bool, hidden=24, vocab=40, layers=3, wide_block: int = -1):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(Block(hidden + (1 if i == wide_block else 0)) for i in range(layers))
+        self.norm = nn.BatchNorm1d(hidden)
+        self.head = Head(hidden, vocab, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("rope", torch.zeros(hidden, dtype=torch.bfloat16), persistent=False)
+
+
+def build(tied: bool, seed: int, device=CPU, **kw) -> Net:
+    """Every float tensor random and every int buffer random, so that ranks built from other seeds differ."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        net = Net(tied, **kw)
+    with torch.no_grad():
+        for t in [*net.parameters(), *net.buffers()]:
+            t.uniform_(-1, 1) if t.is_floating_point() else t.random_(0, 1000)
+    return net
+
+
+def states(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by name, tied names included, FSDP prefixes dropped."""
+    out = {}
+    for n, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        out[n.replace("_fsdp_wrapped_module.", "")] = t.detach().clone()
+    return out
+
+
+def assert_same(got: dict, want: dict, what: str, rank: int) -> None:
+    assert got.keys() == want.keys(), f"{what} rank {rank}: names {sorted(got.keys() ^ want.keys())}"
+    wrong = [n for n in want if not same_bits(got[n], want[n])]
+    assert not wrong, f"{what} rank {rank}: differs from the source at {wrong}"
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def same_error_everywhere(fn) -> str:
+    """Run fn, expecting it to raise on this rank; check every rank raised the same message."""
+    try:
+        fn()
+    except coalesced_bcast.AgreementError as e:
+        msg = str(e)
+    else:
+        msg = "no error"
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, msg)
+    assert msg != "no error", f"rank {dist.get_rank()} did not raise"
+    assert len(set(every)) == 1, f"ranks raised different errors: {every}"
+    return msg
+
+
+# ------------------------------------------------------------------------------------------------ DDP
+
+def _ddp_body(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ddp_mod = sys.modules["torch.nn.parallel.distributed"]
+    torch_fn = ddp_mod._sync_module_states
+    for tied in (False, True):
+        want = states(build(tied, SOURCE_SEED))
+        model = build(tied, SOURCE_SEED if rank == 0 else 99 + rank)
+        before = states(model)
+        if rank:
+            assert all(not same_bits(before[n], want[n]) for n in want)  # a sync that wrote nothing fails
+        coalesced_bcast.patched_calls(clear=True)
+        with coalesced_bcast.installed():
+            assert ddp_mod._sync_module_states is not torch_fn
+            DDP(model)
+        assert ddp_mod._sync_module_states is torch_fn
+        assert_same(states(model), want, f"DDP tied={tied}", rank)
+        calls = coalesced_bcast.patched_calls()
+        unique = len(dict.fromkeys(map(id, [*model.parameters(), *model.buffers()])))
+        assert [c.site for c in calls] == ["ddp"] and calls[0].stats.unique_tensors == unique, calls
+        assert model.head.weight is model.embed.weight or not tied
+
+    # Meta-built on the other ranks, no init compute: ties kept by the materializer applied to every
+    # module, or split by to_empty and restored from the source's names (one small collective).
+    want = states(build(True, SOURCE_SEED))
+    for how in ("apply", "to_empty"):
+        model = build(True, SOURCE_SEED) if rank == 0 else build(True, 0, device="meta")
+        if rank and how == "apply":
+            model.apply(coalesced_bcast.fsdp.param_init_fn(CPU))
+        elif rank:
+            model.to_empty(device=CPU)
+            assert model.head.weight is not model.embed.weight  # what pytorch issue 143181 is about
+        retied = coalesced_bcast.fsdp.restore_ties(model, src=0)
+        assert retied == (1 if rank and how == "to_empty" else 0), (how, retied)
+        assert model.head.weight is model.embed.weight, how
+        with coalesced_bcast.installed():
+            DDP(model)
+        assert_same(states(model), want, f"DDP meta {how}", rank)
+
+    # Ignored names stay local, as with torch's own sync; so do buffers when DDP is told not to send them.
+    want = states(build(False, SOURCE_SEED))
+    model = build(False, SOURCE_SEED if rank == 0 else 99 + rank)
+    mine = states(model)
+    model._ddp_params_and_buffers_to_ignore = ["blocks.1.up.bias", "blocks.0.scale"]
+    with coalesced_bcast.installed():
+        DDP(model)
+    got = states(model)
+    for n in want:
+        expected = mine[n] if n in model._ddp_params_and_buffers_to_ignore else want[n]
+        assert same_bits(got[n], expected), f"DDP ignore rank {rank}: {n}"
+    assert rank == 0 or not same_bits(got["blocks.1.up.bias"], want["blocks.1.up.bias"])
+
+    model = build(False, SOURCE_SEED if rank == 0 else 99 + rank)
+    mine = states(model)
+    buffer_names = {n for n, _ in model.named_buffers()}
+    with coalesced_bcast.installed(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # newer torch deprecates the argument's name
+        DDP(model, broadcast_buffers=False)
+    got = states(model)
+    for n in want:
+        assert same_bits(got[n], mine[n] if n in buffer_names else want[n]), f"DDP no buffers rank {rank}: {n}"
+
+
+def test_uninstall_restores_torch():
+    import torch.distributed.fsdp._init_utils as fsdp_init
+    import torch.nn.parallel.distributed as ddp_mod
+    names = [(fsdp_init, "_sync_module_params_and_buffers"), (fsdp_init, "_sync_params_and_buffers"),
+             (fsdp_init, "_check_module_states_for_sync_module_states"), (ddp_mod, "_sync_module_states")]
+    originals = [getattr(m, n) for m, n in names]
+    assert not coalesced_bcast.is_installed()
+    patched = coalesced_bcast.install()
+    try:
+        assert patched == [f"{m.__name__}.{n}" for m, n in names]
+        assert coalesced_bcast.install() == patched  # idempotent
+        now = [getattr(m, n) for m, n in names]
+        assert all(a is not b and a.__wrapped__ is b for a, b in zip(now, originals))
+        with coalesced_bcast.installed():  # nested: leaves the outer install in place
+            pass
+        assert [getattr(m, n) for m, n in names] == now
+    finally:
+        coalesced_bcast.uninstall()
+    assert all(getattr(m, n) is o for (m, n), o in zip(names, originals))
+    coalesced_bcast.uninstall()  # a no-op
+    assert all(getattr(m, n) is o for (m, n), o in zip(names, originals))
+
+
+def test_install_names_what_this_torch_lacks(monkeypatch, caplog):
+    import torch.distributed.fsdp._init_utils as fsdp_init
+    import torch.nn.parallel.distributed as ddp_mod
+    monkeypatch.delattr(fsdp_init, "_check_module_states_for_sync_module_states")
+    torch_ddp = ddp_mod._sync_module_states
+    with caplog.at_level(logging.INFO, logger="coalesced_bcast"):
+        with coalesced_bcast.installed() as patched:
+            assert len(patched) == 3 and ddp_mod._sync_module_states is not torch_ddp
+    missing = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(missing) == 1 and "_check_module_states_for_sync_module_states" in missing[0] \
+        and torch.__version__ in missing[0], missing
+    assert ddp_mod._sync_module_states is torch_ddp
+    assert not hasattr(fsdp_init, "_check_module_states_for_sync_module_states")  # not created by uninstall
+
+
+# ---------------------------------------------------------------------------------------------- FSDP1
+
+def _fsdp(model, units, init_fn):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(units), device_id=CPU, sync_module_states=True,
+                param_init_fn=init_fn)
+
+
+def _full_states(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    with FSDP.summon_full_params(model, writeback=False):
+        return states(model)
+
+
+def _fsdp_body(rank, world_size):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    records = Records()
+    logging.getLogger("coalesced_bcast").addHandler(records)
+    logging.getLogger("coalesced_bcast").setLevel(logging.DEBUG)
+
+    # Without install(), FSDP1 refuses CPU modules in sync_module_states.
+    with pytest.raises(ValueError, match="on GPU"):
+        _fsdp(build(False, SOURCE_SEED), {Block}, None)
+
+    plain_to_empty = lambda m: m.to_empty(device=CPU, recurse=False)  # noqa: E731  (pytorch issue 143181)
+    cases = [  # (tied, units, param_init_fn on meta ranks)
+        (False, {Block}, coalesced_bcast.fsdp.param_init_fn(CPU)),
+        (True, {Block}, coalesced_bcast.fsdp.param_init_fn(CPU)),  # embed and head in the root unit
+        (True, {Block, Head}, coalesced_bcast.fsdp.param_init_fn(CPU)),  # the tie crosses units
+        (True, {Block}, plain_to_empty),  # split by to_empty: re-tied from the source's names
+    ]
+    coalesced_bcast.install()
+    try:
+        for tied, units, init_fn in cases:
+            label = f"FSDP1 tied={tied} units={sorted(u.__name__ for u in units)} init={init_fn}"
+            want = states(build(tied, SOURCE_SEED))
+            model = build(tied, SOURCE_SEED) if rank == 0 else build(tied, 0, device="meta")
+            coalesced_bcast.patched_calls(clear=True)
+            records.messages.clear()
+            fsdp = _fsdp(model, units, init_fn)
+            calls = coalesced_bcast.patched_calls()
+            assert calls and {c.site for c in calls} == {"fsdp1"}, f"{label}: {calls}"
+            assert len(calls) == len(FSDP.fsdp_modules(fsdp)), f"{label}: one sync per unit, got {len(calls)}"
+            assert_same(_full_states(fsdp), want, label, rank)
+            if tied:
+                inner = fsdp.module
+                with FSDP.summon_full_params(fsdp, writeback=False):
+                    assert same_bits(inner.head.weight, inner.embed.weight), label
+            retied = [m for m in records.messages if "re-tied" in m]
+            assert bool(retied) == (init_fn is plain_to_empty and rank != 0), f"{label}: {records.messages}"
+            assert all(not isinstance(b, torch.Tensor) or not b.is_meta for b in fsdp.buffers()), label
+            # Once no module holds a meta tensor, the materializer holds none of the originals (else the
+            # whole unsharded model would stay alive beside FSDP's shards).
+            assert not getattr(init_fn, "_memo", None), f"{label}: {len(init_fn._memo)} originals kept"
+
+        # A real structural difference: every rank raises the same error, naming the tensor; none hangs.
+        model = build(False, SOURCE_SEED) if rank == 0 else build(False, 0, device="meta", wide_block=1)
+        msg = same_error_everywhere(lambda: _fsdp(model, {Block}, coalesced_bcast.fsdp.param_init_fn(CPU)))
+        assert "does not match source rank 0" in msg and "'<Block>." in msg and "restoring" in msg, msg
+
+        # On a group without gloo the refusal stays, naming the tensor and what to do.
+        install_mod = sys.modules["coalesced_bcast.install"]
+        net = build(False, SOURCE_SEED)
+        token = install_mod._unit.set(install_mod._FsdpUnit(net, dist.group.WORLD, cpu_ok=False))
+        try:
+            with pytest.raises(ValueError, match=r"'<Net>\.embed\.weight'.*device_id="):
+                sys.modules["torch.distributed.fsdp._init_utils"]._check_module_states_for_sync_module_states(
+                    [p.detach() for p in net.parameters()])
+        finally:
+            install_mod._unit.reset(token)
+    finally:
+        coalesced_bcast.uninstall()
+
+
+def _init_body(rank, world_size):
+    _ddp_body(rank, world_size)
+    _fsdp_body(rank, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ddp_and_fsdp1_init_bitwise(world_size):
+    """One spawn per world size for both (spawning dominates the runtime on 2 cores)."""
+    run_ranks(world_size, _init_body)
