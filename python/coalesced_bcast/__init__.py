@@ -15,6 +15,7 @@ from .sync import (
     sync_module,
 )
 from . import fsdp
+from .state_dict import LoadStateDictError, LoadStats, load_full_state_dict
 from .install import PatchedCall, install, installed, is_installed, patched_calls, uninstall
 
 __all__ = [
@@ -33,4 +34,7 @@ __all__ = [
     "is_installed",
     "patched_calls",
     "uninstall",
+    "LoadStateDictError",
+    "LoadStats",
+    "load_full_state_dict",
 ]

@@ -1,0 +1,356 @@
+"""FSDP2 load of a full state held by rank 0, side by side in one run: DCP's
+set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True) against
+coalesced_bcast.load_full_state_dict, with the source state in pinned and in pageable CPU memory.
+
+States: the Llama-8B-shaped model of shared/anchors/baseline_bcast.py (bf16, fully_shard per block and
+at the root, to_empty on every rank), and 16,384 small bf16 tensors (1 GiB; sizes as in the anchors).
+Every run is checked bitwise on every rank against the source's values (a counter-based pattern that
+each rank can regenerate for its own shard). Also measures this machine's host-to-device rate.
+
+GPU (2x H200):
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/fsdp2_load.py --out bench/results/fsdp2_load.jsonl
+The state also goes from rank 0's GPU (source "gpu"), to check that path.
+CPU smoke test (gloo, tiny shapes, pageable only):
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/fsdp2_load.py --cpu --out /tmp/fsdp2_load.jsonl
+
+One JSON line per rank and measurement, then 'summary' lines with the targets, all written by rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+import coalesced_bcast
+
+GiB = 2**30
+DTYPE = torch.bfloat16
+
+
+# The model of shared/anchors/baseline_bcast.py (dimensions configurable for the CPU smoke test).
+class Block(nn.Module):
+    def __init__(self, hidden=4096, inter=14336, kv=1024):
+        super().__init__()
+        self.q = nn.Linear(hidden, hidden, bias=False)
+        self.k = nn.Linear(hidden, kv, bias=False)
+        self.v = nn.Linear(hidden, kv, bias=False)
+        self.o = nn.Linear(hidden, hidden, bias=False)
+        self.gate = nn.Linear(hidden, inter, bias=False)
+        self.up = nn.Linear(hidden, inter, bias=False)
+        self.down = nn.Linear(inter, hidden, bias=False)
+        self.n1 = nn.LayerNorm(hidden)
+        self.n2 = nn.LayerNorm(hidden)
+
+
+class Model(nn.Module):
+    def __init__(self, layers=32, hidden=4096, inter=14336, kv=1024, vocab=128256):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList([Block(hidden, inter, kv) for _ in range(layers)])
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+
+class Small(nn.Module):
+    def __init__(self, sizes):
+        super().__init__()
+        self.p = nn.ParameterList([nn.Parameter(torch.empty(int(s))) for s in sizes])
+
+
+def pattern(i0: int, i1: int, seed: int, device: torch.device) -> torch.Tensor:
+    """Elements [i0, i1) of tensor `seed`'s values as int16 bit patterns: an integer hash of the global
+    index, so any rank regenerates any slice exactly, on any device."""
+    out = torch.empty(i1 - i0, dtype=torch.int16, device=device)
+    step = 1 << 26
+    for c in range(i0, i1, step):
+        e = min(c + step, i1)
+        h = torch.arange(c, e, dtype=torch.int64, device=device) + (seed * 1000003 + 12345)
+        h = h * 6364136223846793005
+        h = h ^ (h >> 29)
+        h = h * 3935559000370003845
+        h = (h >> 24) & 0xFFFF
+        out[c - i0:e - i0] = (h - ((h >> 15) << 16)).to(torch.int16)
+    return out
+
+
+def make_source(specs, kind: str, seed: int, gen_device: torch.device) -> dict:
+    """The full state on rank 0's CPU, as views of one buffer (pinned or pageable), values from pattern()."""
+    total = sum(math.prod(s) for _, s in specs)
+    if kind == "gpu":
+        flat = torch.empty(total, dtype=DTYPE, device=gen_device)
+    else:
+        flat = torch.empty(total, dtype=DTYPE, pin_memory=(kind == "pinned"))
+    sd, off = {}, 0
+    for i, (k, shape) in enumerate(specs):
+        n = math.prod(shape)
+        t = flat[off:off + n]
+        t.view(torch.int16).copy_(pattern(0, n, seed + i, gen_device))
+        sd[k] = t.view(shape)
+        off += n
+    return sd
+
+
+def local_range(v: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's local tensor and its first element in the full tensor (Shard(0)/Replicate only)."""
+    if not isinstance(v, DTensor):
+        return v, 0
+    lshape, off = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+    assert all(o == 0 for o in off[1:]), f"not a dim-0 shard: {v.placements}"
+    return v._local_tensor, off[0] * math.prod(v.shape[1:]) if len(v.shape) else 0
+
+
+def poison(model: nn.Module) -> None:
+    with torch.no_grad():
+        for v in model.state_dict().values():
+            local, _ = local_range(v)
+            local.view(torch.int16).fill_(-1)  # a NaN pattern that pattern() never yields whole
+
+
+def verify(model: nn.Module, seed: int, device: torch.device) -> bool:
+    ok = True
+    for i, (k, v) in enumerate(model.state_dict().items()):
+        local, start = local_range(v)
+        want = pattern(start, start + local.numel(), seed + i, device)
+        ok &= bool(torch.equal(local.reshape(-1).view(torch.int16), want))
+    return ok
+
+
+def build(kind: str, args, device: torch.device, mesh) -> nn.Module:
+    sizes = torch.randint(args.small_min, args.small_max, (args.small_count,),
+                          generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.device("meta"):
+        if kind == "llama8b":
+            model = Model(args.layers, args.hidden, args.inter, args.kv, args.vocab).to(DTYPE)
+        else:
+            model = Small(sizes).to(DTYPE)
+    if kind == "llama8b":
+        for b in model.layers:
+            fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device=device)
+    return model
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.cpu = args.cpu
+        if self.cpu:
+            dist.init_process_group("gloo")
+            self.device = torch.device("cpu")
+        else:
+            local = int(os.environ["LOCAL_RANK"])
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+            dist.init_process_group("nccl", device_id=self.device)
+        self.rank, self.ws = dist.get_rank(), dist.get_world_size()
+        self.mesh = init_device_mesh(self.device.type, (self.ws,))
+        self.rows: list[dict] = []
+
+    def sync(self) -> None:
+        if not self.cpu:
+            torch.cuda.synchronize()
+
+    def emit(self, **row) -> None:
+        row.update(bench="fsdp2_load", rank=self.rank, world=self.ws, torch=torch.__version__,
+                   device=torch.cuda.get_device_name() if not self.cpu else "cpu")
+        print(json.dumps(row), flush=True)
+        self.rows.append(row)
+
+    def measure(self, fn) -> dict:
+        self.sync()
+        dist.barrier()
+        self.sync()
+        if not self.cpu:
+            torch.cuda.empty_cache()
+            base_a, base_r = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = fn()
+        self.sync()
+        sec = time.perf_counter() - t0
+        row = dict(sec=sec)
+        if not self.cpu:
+            row.update(extra_alloc_GiB=(torch.cuda.max_memory_allocated() - base_a) / GiB,
+                       extra_reserved_GiB=(torch.cuda.max_memory_reserved() - base_r) / GiB)
+        if isinstance(out, coalesced_bcast.LoadStats):
+            row.update(ring_bytes=out.ring_bytes, host_ring_bytes=out.host_ring_bytes, buckets=out.buckets)
+        return row
+
+    def h2d(self, sd: dict) -> None:
+        """One large pinned copy (the anchors' measure), the same bytes in 16 MiB copies, and pageable."""
+        flat = next(iter(sd.values()))
+        src = torch.empty(0, dtype=DTYPE).set_(flat.untyped_storage())[: GiB // 2]
+        dst = torch.empty(src.numel(), dtype=DTYPE, device=self.device)
+
+        def rate(fn, reps=5):
+            ts = []
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                ts.append(time.perf_counter() - t0)
+            return GiB / statistics.median(ts) / 1e9
+
+        chunk = (16 << 20) // 2
+        one = rate(lambda: dst.copy_(src, non_blocking=True))
+        chunked = rate(lambda: [dst[i:i + chunk].copy_(src[i:i + chunk], non_blocking=True)
+                                for i in range(0, src.numel(), chunk)])
+        self.emit(kind="h2d", source=("pinned" if src.is_pinned() else "pageable"), bytes=GiB,
+                  one_copy_GBps=one, chunked_16MiB_GBps=chunked)
+
+    def run_state(self, kind: str) -> None:
+        args = self.args
+        model = build(kind, args, self.device, self.mesh)
+        specs = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
+        nbytes = sum(math.prod(s) for _, s in specs) * 2
+        seed = 1000 if kind == "llama8b" else 500000
+        gen_device = self.device
+        sources = ["pageable"] if self.cpu else args.sources
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        methods = [("dcp", {}), ("coalesced_bcast", {})]
+        methods += [(f"coalesced_bcast_b{b >> 20}M", dict(bucket_bytes=b)) for b in args.extra_buckets]
+        methods += [(f"coalesced_bcast_t{t}", dict(copy_threads=t)) for t in args.extra_threads]
+        for source in sources:
+            t0 = time.perf_counter()
+            sd = make_source(specs, source, seed, gen_device) if self.rank == 0 else None
+            self.sync()
+            if self.rank == 0:
+                print(f"# {kind}/{source}: source built in {time.perf_counter() - t0:.1f} s", flush=True)
+            if self.rank == 0 and not self.cpu and kind == "llama8b" and source != "gpu":
+                self.h2d(sd)
+            for name, options in methods:
+                if "copy_threads" in options and source != "pageable" or options and source == "gpu":
+                    continue  # threads only copy pageable memory; a GPU source just checks the path
+                if name == "dcp":
+                    # a copy: DCP replaces the values of the dict it is given with the loaded DTensors
+                    fn = lambda: set_model_state_dict(model, dict(sd) if self.rank == 0 else {}, options=opts)  # noqa: E731
+                    reps = args.dcp_reps if kind == "llama8b" else args.dcp_small_reps
+                else:
+                    fn = lambda: coalesced_bcast.load_full_state_dict(model, sd, src=0, **options)  # noqa: E731
+                    reps = args.reps
+                for rep in range(reps + 1):  # rep 0 warms up
+                    poison(model)
+                    row = self.measure(fn)
+                    slowest = torch.tensor([row["sec"]], dtype=torch.float64, device=self.device)
+                    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                    last = rep == reps or slowest.item() > args.slow_s  # a slow baseline is timed once
+                    ok = verify(model, seed, self.device) if last else None
+                    self.emit(kind="load", state=kind, source=source, method=name, rep=rep, warmup=rep == 0,
+                              state_GiB=nbytes / GiB, ntensors=len(specs), GBps=nbytes / row["sec"] / 1e9,
+                              bitwise_ok=ok, **row)
+                    if last:
+                        break
+            del sd
+        del model
+        self.sync()
+        if not self.cpu:
+            torch.cuda.empty_cache()
+
+    def summary(self) -> None:
+        gathered: list = [None] * self.ws
+        dist.all_gather_object(gathered, self.rows)
+        if self.rank != 0:
+            return
+        rows = [r for rs in gathered for r in rs]
+        h2d = [r for r in rows if r["kind"] == "h2d" and r["source"] == "pinned"]
+        h2d_rate = h2d[0]["one_copy_GBps"] if h2d else None
+        loads = [r for r in rows if r["kind"] == "load"]
+        out = []
+        keys = sorted({(r["state"], r["source"], r["method"]) for r in loads})
+        med = {}
+        for state, source, method in keys:
+            rs = [r for r in loads if (r["state"], r["source"], r["method"]) == (state, source, method)]
+            timed = [r for r in rs if not r["warmup"]] or rs
+            per_rep: dict = {}
+            for r in timed:
+                per_rep[r["rep"]] = max(per_rep.get(r["rep"], 0.0), r["sec"])  # the slowest rank
+            sec = statistics.median(per_rep.values())
+            med[(state, source, method)] = sec
+            row = dict(kind="summary", state=state, source=source, method=method, sec=sec,
+                       GBps=rs[0]["state_GiB"] * GiB / sec / 1e9,
+                       bitwise_ok_all_ranks=all(r["bitwise_ok"] for r in rs if r["bitwise_ok"] is not None))
+            if "extra_alloc_GiB" in rs[0]:
+                row.update(max_extra_alloc_GiB=max(r["extra_alloc_GiB"] for r in rs),
+                           max_extra_reserved_GiB=max(r["extra_reserved_GiB"] for r in rs))
+            if "ring_bytes" in rs[0]:
+                ring = max(r["ring_bytes"] for r in rs) / GiB
+                row.update(ring_GiB=ring)
+                if "max_extra_alloc_GiB" in row:
+                    slack = 1 / 1024  # control messages: under 1 MiB, from the allocator's small pool
+                    row["target_extra_within_ring"] = (row["max_extra_alloc_GiB"] <= ring + slack
+                                                       and row["max_extra_reserved_GiB"] <= ring + 2 * slack)
+            if method.startswith("coalesced_bcast"):
+                dcp = med.get((state, source, "dcp"))
+                if dcp:
+                    row["speedup_vs_dcp"] = dcp / sec
+                if source == "pageable" and dcp:
+                    row["target_pageable_2x_dcp"] = dcp / sec >= 2.0
+                if source == "pinned" and h2d_rate:
+                    row["fraction_of_h2d"] = row["GBps"] / h2d_rate
+                    row["target_pinned_90pct_h2d"] = row["fraction_of_h2d"] >= 0.9
+            out.append(row)
+        for r in out:
+            r.update(bench="fsdp2_load", torch=torch.__version__, h2d_GBps=h2d_rate)
+            print(json.dumps(r), flush=True)
+        if self.args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
+            with open(self.args.out, "a") as f:
+                for r in rows + out:
+                    f.write(json.dumps(r) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(os.environ["OUT"], "fsdp2_load.jsonl") if os.environ.get("OUT") else None)
+    p.add_argument("--cpu", action="store_true", help="gloo on CPU with tiny shapes (smoke test)")
+    p.add_argument("--states", default="llama8b,small16k")
+    p.add_argument("--sources", default="pinned,pageable,gpu", help="where rank 0 holds the state (GPU runs)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--dcp-reps", type=int, default=2)
+    p.add_argument("--dcp-small-reps", type=int, default=1)
+    p.add_argument("--slow-s", type=float, default=8.0, help="a run slower than this is not repeated")
+    p.add_argument("--extra-buckets", default="64", help="MiB; extra coalesced_bcast rows with these bucket sizes")
+    p.add_argument("--extra-threads", default="4,16", help="extra coalesced_bcast rows (pageable) with these copy_threads")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--inter", type=int, default=14336)
+    p.add_argument("--kv", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--small-count", type=int, default=16384)
+    p.add_argument("--small-min", type=int, default=256)
+    p.add_argument("--small-max", type=int, default=65536)
+    args = p.parse_args()
+    if args.cpu:  # shapes a 2-core machine builds in seconds; uneven rows on purpose
+        args.layers, args.hidden, args.inter, args.kv, args.vocab = 2, 64, 160, 16, 1001
+        args.small_count, args.small_min, args.small_max = 512, 16, 2048
+    args.extra_buckets = [int(x) << 20 for x in args.extra_buckets.split(",") if x]
+    args.extra_threads = [int(x) for x in args.extra_threads.split(",") if x]
+    args.sources = args.sources.split(",")
+    logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s")
+    bench = Bench(args)
+    t0 = time.perf_counter()
+    for state in args.states.split(","):
+        bench.run_state(state)
+    bench.summary()
+    if bench.rank == 0:
+        print(f"# total {time.perf_counter() - t0:.1f} s", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""load_full_state_dict on CPU over gloo: plain modules, FSDP2 (fully_shard on a CPU mesh) and DTensors
+built directly, on 2 and 3 ranks, each checked bitwise against load_state_dict of the same state on one
+process. Each world size is one spawned run that goes through every case (spawning costs ~10 s)."""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from dist_utils import run_ranks
+from zoo import bits, fill_random_bytes, same_bits
+
+import coalesced_bcast
+from coalesced_bcast.state_dict import LoadStateDictError, _range_boxes, load_full_state_dict
+
+SMALL = dict(bucket_bytes=4096)  # most tensors span several buckets
+
+
+class Net(nn.Module):
+    """Uneven dim 0 everywhere, buffers (int, bool, 0-dim, one non-persistent), tied embedding/head."""
+
+    def __init__(self, vocab: int = 11, hidden: int = 6, rows: int = 1500) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.l1 = nn.Linear(hidden, 7)
+        self.l2 = nn.Linear(7, 3, bias=False)
+        self.bn = nn.BatchNorm1d(3)  # running stats and an int64 0-dim num_batches_tracked
+        self.big = nn.Parameter(torch.empty(rows, 3))  # 18 kB: larger than a 4 kB bucket
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("mask", torch.ones(5, dtype=torch.bool))
+        self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.l1(self.emb(x)))
+
+
+class Odd(nn.Module):
+    """Plain-module extras: a non-contiguous parameter, complex, fp8, an extra state and a post-hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = nn.Parameter(torch.empty(9, 4).t())
+        self.c = nn.Parameter(torch.empty(3, 2, dtype=torch.complex64))
+        self.register_buffer("f8", torch.empty(33, dtype=torch.float8_e4m3fn))
+        self.scalar = nn.Parameter(torch.empty((), dtype=torch.float64))
+        self.extra = {"step": -1}
+        self.post_hook_calls = 0
+        self.register_load_state_dict_post_hook(lambda m, keys: setattr(m, "post_hook_calls", m.post_hook_calls + 1))
+
+    def get_extra_state(self):
+        return self.extra
+
+    def set_extra_state(self, state) -> None:
+        self.extra = dict(state)
+
+
+def random_sd(model: nn.Module, seed: int, dtype: torch.dtype | None = None, tie: bool = True) -> dict:
+    """Random bytes (NaN payloads and all) for every key, the same on every rank for one seed.
+
+    With tie, keys that share a tensor in the model share one in the state dict, as torch.save keeps them.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out, by_id = {}, {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        if not isinstance(v, torch.Tensor):
+            out[k] = v
+            continue
+        if tie and id(v) in by_id:
+            out[k] = by_id[id(v)]
+            continue
+        dt = dtype if dtype is not None and v.is_floating_point() else v.dtype
+        t = torch.empty(tuple(v.shape), dtype=dt)
+        fill_random_bytes(t, gen)
+        out[k] = by_id[id(v)] = t
+    return out
+
+
+def fill_sentinel(model: nn.Module) -> None:
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            local = t._local_tensor if isinstance(t, DTensor) else t
+            bits(local.detach()).fill_(7)
+
+
+def snapshot(model: nn.Module) -> dict:
+    out = {}
+    for k, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        out[k] = local.detach().clone()
+    return out
+
+
+def assert_same_as_reference(model: nn.Module, ref: nn.Module, what: str) -> None:
+    """Every state-dict key bitwise equal to the one-process reference (DTensors via full_tensor())."""
+    ref_sd = ref.state_dict()
+    got = model.state_dict()
+    assert list(got) == list(ref_sd), f"{what}: keys differ"
+    for k, r in ref_sd.items():
+        g = got[k]
+        if isinstance(r, torch.Tensor):
+            g = g.full_tensor() if isinstance(g, DTensor) else g
+            assert same_bits(g, r), f"{what}: '{k}' differs from load_state_dict on rank {dist.get_rank()}"
+        else:
+            assert g == r, f"{what}: extra state '{k}': {g} != {r}"
+
+
+def expect_error(fn, *needles: str) -> str:
+    try:
+        fn()
+    except LoadStateDictError as e:
+        msg = str(e)
+        for n in needles:
+            assert n in msg, f"rank {dist.get_rank()}: {n!r} not in error: {msg}"
+        return msg
+    raise AssertionError(f"rank {dist.get_rank()}: no LoadStateDictError; wanted one with {needles}")
+
+
+def build_plain(rank: int, cls=Net, **kw) -> nn.Module:
+    """Rank 0 builds for real; the others on meta then to_empty, which unties the tied weights."""
+    if rank == 0:
+        return cls(**kw)
+    with torch.device("meta"):
+        m = cls(**kw)
+    return m.to_empty(device="cpu")
+
+
+def build_fsdp2(mesh, dtype: torch.dtype | None = None, **kw) -> nn.Module:
+    with torch.device("meta"):
+        m = Net(**kw)
+    if dtype is not None:
+        m = m.to(dtype)
+    fully_shard(m.l1, mesh=mesh)
+    fully_shard(m.l2, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    m.to_empty(device="cpu")
+    fill_sentinel(m)
+    return m
+
+
+def reference(cls, sd: dict, dtype: torch.dtype | None = None, **kw) -> nn.Module:
+    ref = cls(**kw)
+    if dtype is not None:
+        ref = ref.to(dtype)
+    ref.load_state_dict(sd)
+    return ref
+
+
+class DT(nn.Module):
+    """DTensor parameters built directly: Shard(1), Replicate, and a 2-D mesh (compute_local_shape path)."""
+
+    def __init__(self, mesh1, mesh2) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.s1 = nn.Parameter(distribute_tensor(torch.randn(3, 10, 2, generator=g), mesh1, [Shard(1)]))
+        self.rep = nn.Parameter(distribute_tensor(torch.randn(4, 5, generator=g), mesh1, [Replicate()]))
+        self.m2 = nn.Parameter(distribute_tensor(torch.randn(13, 3, generator=g), mesh2, [Replicate(), Shard(0)]))
+
+
+def check_plain(rank: int, ws: int) -> None:
+    # Tied on the source, untied elsewhere (to_empty); shared tensors in the checkpoint; tiny buckets.
+    sd = random_sd(Net(), seed=1)
+    model = build_plain(rank)
+    fill_sentinel(model)
+    inv_freq = model.inv_freq.clone()
+    stats = load_full_state_dict(model, sd if rank == 0 else None, src=0, **SMALL)
+    assert_same_as_reference(model, reference(Net, sd), "plain")
+    assert same_bits(model.inv_freq, inv_freq), "a non-persistent buffer was written"
+    n_unique = len({id(v) for v in sd.values()})
+    assert stats.tensors == n_unique and stats.keys == len(sd), stats
+    assert stats.bytes == sum(v.numel() * v.element_size() for v in {id(v): v for v in sd.values()}.values())
+    assert stats.buckets > 4 and stats.ring_bytes == 3 * 4096 and stats.cast_keys == 0, stats
+    if rank == 0:
+        assert model.head.weight is model.emb.weight
+
+    # Two different tensors for tied keys: the last key wins, as with load_state_dict; ring_depth 1.
+    sd = random_sd(Net(), seed=2, tie=False)
+    fill_sentinel(model)
+    load_full_state_dict(model, sd if rank == 0 else None, src=0, ring_depth=1, **SMALL)
+    ref = reference(Net, sd)
+    if rank == 0:
+        assert_same_as_reference(model, ref, "plain, untied checkpoint")
+    else:  # untied here: each name holds its own key's value
+        assert same_bits(model.emb.weight, sd["emb.weight"]) and same_bits(model.head.weight, sd["head.weight"])
+
+    # Checkpoint from torch.load(mmap=True), non-contiguous source tensors, a float32->float64 cast,
+    # complex and fp8 tensors, an extra state, a non-contiguous destination and a post-hook.
+    sd = random_sd(Odd(), seed=3)
+    sd["t"] = sd["t"].t().contiguous().t()  # the same values through transposed strides
+    sd["scalar"] = sd["scalar"].float()
+    sd["_extra_state"] = {"step": 41}
+    odd = build_plain(rank, Odd)
+    fill_sentinel(odd)
+    with tempfile.TemporaryDirectory() as d:
+        if rank == 0:
+            torch.save(sd, os.path.join(d, "sd.pt"))
+            loaded = torch.load(os.path.join(d, "sd.pt"), mmap=True, weights_only=True)
+            assert not loaded["t"].is_contiguous()
+        stats = load_full_state_dict(odd, loaded if rank == 0 else None, src=0, **SMALL)
+    ref = Odd()
+    ref.load_state_dict(sd)
+    assert stats.cast_keys == 1, stats
+    assert odd.extra == {"step": 41}, odd.extra
+    for k in ("t", "c", "f8", "scalar"):
+        assert same_bits(getattr(odd, k), getattr(ref, k)), f"Odd.{k} on rank {rank}"
+    assert not odd.t.is_contiguous() and odd.post_hook_calls == 1
+
+    # Several copy threads on a bucket large enough to split, and the progress log.
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("coalesced_bcast.state_dict")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    big_sd = random_sd(Net(rows=1_000_000), seed=4)
+    big = build_plain(rank, rows=1_000_000)
+    load_full_state_dict(big, big_sd if rank == 0 else None, src=0, bucket_bytes=2 << 20, copy_threads=4,
+                         progress_seconds=0.0)
+    log.removeHandler(handler)
+    assert_same_as_reference(big, reference(Net, big_sd, rows=1_000_000), "threads")
+    if rank == 0:
+        assert any("ETA" in r.getMessage() for r in records), [r.getMessage() for r in records]
+
+
+def check_errors(rank: int, ws: int) -> None:
+    sd = random_sd(Net(), seed=6)
+    model = build_plain(rank)
+    fill_sentinel(model)
+    before = snapshot(model)
+
+    def unchanged(what: str) -> None:
+        after = snapshot(model)
+        assert all(same_bits(before[k], after[k]) for k in before), f"{what}: a tensor was written on rank {rank}"
+
+    bad = dict(sd)
+    del bad["l1.bias"]
+    bad["extra.weight"] = torch.zeros(2)
+    expect_error(lambda: load_full_state_dict(model, bad if rank == 0 else None, **SMALL),
+                 'Missing key(s) in state_dict: "l1.bias"', 'Unexpected key(s) in state_dict: "extra.weight"')
+    unchanged("strict")
+    stats = load_full_state_dict(model, bad if rank == 0 else None, strict=False, **SMALL)
+    assert stats.missing_keys == ("l1.bias",) and stats.unexpected_keys == ("extra.weight",), stats
+    assert same_bits(model.l1.bias, before["l1.bias"]) and same_bits(model.l1.weight, sd["l1.weight"])
+    fill_sentinel(model)
+    before = snapshot(model)
+
+    shape = dict(sd, **{"l2.weight": torch.zeros(3, 8)})
+    expect_error(lambda: load_full_state_dict(model, shape if rank == 0 else None, strict=False, **SMALL),
+                 "size mismatch for l2.weight", "torch.Size([3, 8])", "torch.Size([3, 7])")
+    value = dict(sd, **{"l1.bias": "oops"})
+    expect_error(lambda: load_full_state_dict(model, value if rank == 0 else None, **SMALL), '"l1.bias"', "str")
+    expect_error(lambda: load_full_state_dict(model, None, **SMALL), "source rank 0", "sd is None")
+    expect_error(lambda: load_full_state_dict(model, sd if rank == 1 else None, src=1, bucket_bytes=4096 + 16 * rank),
+                 "bucket_bytes")
+    if rank == ws - 1:
+        with torch.device("meta"):
+            unmade = Net()
+    else:
+        unmade = model
+    expect_error(lambda: load_full_state_dict(unmade, sd if rank == 0 else None, **SMALL), "meta device", "to_empty")
+    unchanged("errors")
+
+    # A model that differs on one rank: strict names the key there, non-strict still refuses everywhere.
+    other = build_plain(rank)
+    if rank == ws - 1:
+        other.l3 = nn.Linear(2, 2)
+    expect_error(lambda: load_full_state_dict(other, sd if rank == 0 else None, **SMALL), f"rank {ws - 1}",
+                 '"l3.weight"')
+    sd3 = dict(sd, **{"l3.weight": torch.zeros(2, 2), "l3.bias": torch.zeros(2)})
+    expect_error(lambda: load_full_state_dict(other, sd3 if rank == 0 else None, strict=False, **SMALL),
+                 "the models differ")
+
+
+def check_fsdp2(rank: int, ws: int) -> None:
+    mesh = init_device_mesh("cpu", (ws,))
+    vocab = ws * 4 + 1  # uneven rows, and with 3 ranks l2's 3 rows give one row each
+    sd = random_sd(Net(vocab=vocab), seed=7)
+    model = build_fsdp2(mesh, vocab=vocab)
+    assert isinstance(model.l1.weight, DTensor) and model.l1.weight.placements == (Shard(0),)
+    stats = load_full_state_dict(model, sd if rank == 0 else None, **SMALL)
+    ref = reference(Net, sd, vocab=vocab)
+    assert_same_as_reference(model, ref, "fsdp2")
+    assert stats.ring_bytes == 3 * 4096
+    # FSDP2's lazy init re-pads the shards on the first forward: the loaded values must survive it.
+    model.train(False)
+    model(torch.arange(vocab))
+    assert_same_as_reference(model, ref, "fsdp2 after a forward")
+
+    # float32 checkpoint into a bfloat16 model: cast on arrival, bitwise as load_state_dict casts.
+    model = build_fsdp2(mesh, dtype=torch.bfloat16, vocab=vocab)
+    stats = load_full_state_dict(model, sd if rank == 0 else None, bucket_bytes=8192, ring_depth=2)
+    n_float = sum(1 for k, v in Net(vocab=vocab).state_dict().items() if v.is_floating_point())
+    assert stats.cast_keys == n_float and stats.bytes == sum(
+        v.numel() * v.element_size() for v in {id(v): v for v in sd.values()}.values()), stats
+    assert_same_as_reference(model, reference(Net, sd, dtype=torch.bfloat16, vocab=vocab), "fsdp2 bf16")
+
+    # DTensors made directly: Shard(1), Replicate, Replicate x Shard(0) on a 2-D mesh.
+    mesh2 = init_device_mesh("cpu", (1, ws))
+    dt = DT(mesh, mesh2)
+    fill_sentinel(dt)
+    sd_dt = random_sd(DT(mesh, mesh2), seed=8)
+    load_full_state_dict(dt, sd_dt if rank == 0 else None, bucket_bytes=4096)
+    for k, v in dt.state_dict().items():
+        assert same_bits(v.full_tensor(), sd_dt[k]), f"DTensor '{k}' on rank {rank}"
+    expect_error(lambda: load_full_state_dict(dt, dt.state_dict() if rank == 0 else None), "DTensor")
+
+
+def run_all_2(rank: int, ws: int) -> None:
+    check_plain(rank, ws)
+    check_errors(rank, ws)
+    check_fsdp2(rank, ws)
+
+
+def run_all_3(rank: int, ws: int) -> None:
+    check_fsdp2(rank, ws)
+    check_errors(rank, ws)
+
+
+def test_range_boxes_cover_exactly() -> None:
+    shape = (3, 4, 5)
+    n = 60
+    for e0 in range(0, n, 7):
+        for e1 in range(e0, n + 1, 5):
+            seen = torch.zeros(shape, dtype=torch.int32)
+            for lo, hi in _range_boxes(shape, e0, e1):
+                seen[tuple(slice(a, b) for a, b in zip(lo, hi))] += 1
+            want = torch.zeros(n, dtype=torch.int32)
+            want[e0:e1] = 1
+            assert torch.equal(seen.view(-1), want), (e0, e1)
+            assert len(_range_boxes(shape, e0, e1)) <= 5
+
+
+def test_exported() -> None:
+    assert coalesced_bcast.load_full_state_dict is load_full_state_dict
+
+
+def test_two_ranks() -> None:
+    run_ranks(2, run_all_2, timeout=150)
+
+
+def test_three_ranks() -> None:
+    run_ranks(3, run_all_3, timeout=150)
