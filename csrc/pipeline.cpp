@@ -16,16 +16,14 @@ at::Tensor as_bytes(const at::Tensor& t) {
 
 void check_backend(const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
   const auto type = plan.device.type();
+  bool served = true;
+  try {
+    pg->getBackend(type);
+  } catch (const std::exception&) {
+    served = false;
+  }
   TORCH_CHECK_VALUE(
-      pg->hasBackends() && [&] {
-        try {
-          pg->getBackend(type);
-          return true;
-        } catch (const std::exception&) {
-          return false;
-        }
-      }(),
-      plan.describe(0), " is on ", plan.device, " but process group '", pg->getGroupDesc(), "' (backend ",
+      served, plan.describe(0), " is on ", plan.device, " but process group '", pg->getGroupDesc(), "' (backend ",
       pg->getBackendName(), ") has no backend for ", type, " tensors");
 }
 
@@ -46,6 +44,9 @@ RunStats broadcast_plan(
   const bool is_src = pg->getRank() == src;
   const bool cuda = plan.device.is_cuda();
   c10::DeviceGuard device_guard(plan.device);
+  // Parameters that require grad are written through byte views: autograd must
+  // neither record nor refuse those views.
+  at::NoGradGuard no_grad;
 
   c10d::BroadcastOptions opts;
   opts.rootRank = src;

@@ -10,7 +10,7 @@ namespace coalesced_bcast {
 namespace {
 
 // Group sizes NCCL handles comfortably inside one ncclGroupStart/End.
-constexpr size_t kMaxGroupOps = 32;
+constexpr size_t kMaxGroupOps = 64;
 
 struct RangeKey {
   uintptr_t addr;
@@ -120,37 +120,45 @@ void check_no_overlap(const Plan& plan) {
   }
 }
 
+// Runs come out in stream order, so they are already sorted by bucket and by
+// offset within it: a bucket closes when the next run starts a later one.
 void lay_out_buckets(Plan& plan) {
   const int64_t B = plan.options.bucket_bytes;
   int64_t cursor = 0;
-  std::vector<std::vector<CopyOp>> per_bucket;
-  for (auto& u : plan.unique) {
+  auto close_bucket = [&](size_t first_op) {
+    const auto& last = plan.ops.back();
+    plan.buckets.push_back(Bucket{
+        last.bucket_offset + last.nbytes, static_cast<int64_t>(first_op),
+        static_cast<int64_t>(plan.ops.size() - first_op)});
+  };
+  size_t first_op = 0;
+  for (size_t ui = 0; ui < plan.unique.size(); ++ui) {
+    auto& u = plan.unique[ui];
     if (u.inplace || u.nbytes == 0) continue;
     int32_t layout = -1;
     if (!u.tensor.is_contiguous()) {
       plan.layouts.push_back(collapse(plan, u.first_input, u.tensor));
       layout = static_cast<int32_t>(plan.layouts.size() - 1);
     }
+    const auto ptr = reinterpret_cast<uint64_t>(u.tensor.data_ptr());
+    const auto elem = static_cast<int32_t>(u.tensor.element_size());
     const int64_t start = align_up(cursor, kAlign);
     for (int64_t off = 0; off < u.nbytes;) {
       const int64_t pos = start + off;
       const int64_t k = pos / B;
+      if (plan.ops.size() > first_op && k != static_cast<int64_t>(plan.buckets.size())) {
+        close_bucket(first_op);
+        first_op = plan.ops.size();
+      }
       const int64_t len = std::min(u.nbytes - off, (k + 1) * B - pos);
-      if (static_cast<int64_t>(per_bucket.size()) <= k) per_bucket.resize(k + 1);
-      per_bucket[k].push_back(CopyOp{
-          reinterpret_cast<uint64_t>(u.tensor.data_ptr()), off, pos - k * B, len, layout,
-          static_cast<int32_t>(u.tensor.element_size())});
+      plan.ops.push_back(CopyOp{ptr, off, pos - k * B, len, layout, elem});
+      plan.op_unique.push_back(static_cast<int64_t>(ui));
       off += len;
     }
     cursor = start + u.nbytes;
     plan.packed_bytes += u.nbytes;
   }
-  for (auto& ops : per_bucket) {
-    const auto& last = ops.back();
-    plan.buckets.push_back(Bucket{
-        last.bucket_offset + last.nbytes, static_cast<int64_t>(plan.ops.size()), static_cast<int64_t>(ops.size())});
-    plan.ops.insert(plan.ops.end(), ops.begin(), ops.end());
-  }
+  if (plan.ops.size() > first_op) close_bucket(first_op);
   const auto n = static_cast<int64_t>(plan.buckets.size());
   plan.ring_slots = std::min(plan.options.ring_depth, n);
   plan.slot_bytes = n == 0 ? 0 : (n == 1 ? align_up(plan.buckets[0].nbytes, kAlign) : B);
@@ -200,8 +208,10 @@ Plan make_plan(
   if (!tensors.empty() && tensors[0].defined()) plan.device = tensors[0].device();
 
   std::unordered_map<RangeKey, int64_t, RangeKeyHash> by_range;
+  by_range.reserve(tensors.size());
   std::unordered_multimap<uintptr_t, int64_t> strided_by_addr;
   plan.input_to_unique.reserve(tensors.size());
+  plan.unique.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
     check_input(plan, static_cast<int64_t>(i), t);
@@ -245,10 +255,7 @@ Plan make_plan(
 }
 
 void validate_copy_table(const Plan& plan) {
-  std::unordered_map<uint64_t, int64_t> limit;  // tensor address -> its bytes
-  for (const auto& u : plan.unique) {
-    if (!u.inplace && u.nbytes > 0) limit[reinterpret_cast<uint64_t>(u.tensor.data_ptr())] = u.nbytes;
-  }
+  TORCH_CHECK(plan.op_unique.size() == plan.ops.size(), "copy table and its owners differ in length");
   TORCH_CHECK(plan.slot_bytes % kAlign == 0, "ring slot bytes not aligned, got ", plan.slot_bytes);
   for (size_t k = 0; k < plan.buckets.size(); ++k) {
     const auto& b = plan.buckets[k];
@@ -259,14 +266,17 @@ void validate_copy_table(const Plan& plan) {
     int64_t prev_end = 0;
     for (int64_t i = b.first_op; i < b.first_op + b.num_ops; ++i) {
       const auto& op = plan.ops[i];
-      auto it = limit.find(op.tensor_ptr);
-      TORCH_CHECK(it != limit.end(), "copy op ", i, " points at no planned tensor");
+      const auto u = plan.op_unique[i];
+      TORCH_CHECK(u >= 0 && u < static_cast<int64_t>(plan.unique.size()), "copy op ", i, " owner out of range");
+      const auto& owner = plan.unique[u];
+      TORCH_CHECK(!owner.inplace && op.tensor_ptr == reinterpret_cast<uint64_t>(owner.tensor.data_ptr()),
+                  "copy op ", i, " does not point at its packed tensor");
       TORCH_CHECK(op.bucket_offset % kAlign == 0 && op.bucket_offset >= prev_end, "copy op ", i,
                   " bucket offset unaligned or overlapping: ", op.bucket_offset);
       TORCH_CHECK(op.nbytes > 0 && op.bucket_offset + op.nbytes <= b.nbytes, "copy op ", i, " runs past bucket ", k,
                   ": ", op.bucket_offset, "+", op.nbytes, " > ", b.nbytes);
-      TORCH_CHECK(op.tensor_offset >= 0 && op.tensor_offset + op.nbytes <= it->second, "copy op ", i,
-                  " runs past its tensor: ", op.tensor_offset, "+", op.nbytes, " > ", it->second);
+      TORCH_CHECK(op.tensor_offset >= 0 && op.tensor_offset + op.nbytes <= owner.nbytes, "copy op ", i,
+                  " runs past its tensor: ", op.tensor_offset, "+", op.nbytes, " > ", owner.nbytes);
       TORCH_CHECK(op.layout >= -1 && op.layout < static_cast<int32_t>(plan.layouts.size()), "copy op ", i,
                   " has layout ", op.layout);
       TORCH_CHECK(op.elem_size > 0 && kAlign % op.elem_size == 0 && op.tensor_offset % op.elem_size == 0 &&
@@ -296,6 +306,18 @@ at::Tensor Plan::fingerprint() const {
   }
   std::copy(input_to_unique.begin(), input_to_unique.end(), r);
   return fp;
+}
+
+int64_t hash_words(const at::Tensor& words) {
+  TORCH_CHECK(words.scalar_type() == at::kLong && words.is_contiguous() && words.is_cpu(),
+              "hash_words wants a contiguous cpu int64 tensor, got ", words.toString());
+  const auto* p = words.data_ptr<int64_t>();
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t i = 0; i < words.numel(); ++i) {
+    h ^= static_cast<uint64_t>(p[i]);
+    h *= 1099511628211ull;
+  }
+  return static_cast<int64_t>(h);
 }
 
 }  // namespace coalesced_bcast

@@ -43,6 +43,7 @@ struct Plan {
   std::vector<std::vector<int64_t>> inplace_groups;  // indices into unique
   std::vector<Bucket> buckets;
   std::vector<CopyOp> ops;
+  std::vector<int64_t> op_unique;  // per op, the unique tensor it copies (host only)
   std::vector<Layout> layouts;
   int64_t total_bytes = 0;   // bytes of the unique tensors
   int64_t packed_bytes = 0;  // of which go through buckets
@@ -55,6 +56,9 @@ struct Plan {
   // then which unique tensor each input maps to. Equal on ranks that agree.
   at::Tensor fingerprint() const;
 };
+
+// FNV-1a over int64 words (a fingerprint): what ranks compare first, one word each.
+int64_t hash_words(const at::Tensor& words);
 
 Plan make_plan(
     const std::vector<at::Tensor>& tensors,

@@ -1,6 +1,7 @@
 """Run a function on N ranks over gloo, with a FileStore (no ports) and a hard timeout."""
 from __future__ import annotations
 
+import faulthandler
 import os
 import tempfile
 import time
@@ -13,6 +14,7 @@ DEFAULT_TIMEOUT_S = 120
 
 
 def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, backend: str) -> None:
+    faulthandler.enable()  # a crash in native code still names the Python frame it came from
     store = dist.FileStore(store_path, world_size)
     if backend == "nccl":
         import torch

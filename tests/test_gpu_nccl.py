@@ -24,6 +24,7 @@ def _bitwise_and_order_body(rank, world_size):
             seed = 10 * case + src
             zoo = make_zoo(seed, dev, 4096, value_seed=1000 + seed if rank == src else 5000 + rank)
             expected = make_zoo(seed, dev, 4096, value_seed=1000 + seed)
+            print(f"rank {rank}: zoo case {case} src {src}", flush=True)
             coalesced_bcast.broadcast_tensors([t for _, t in zoo], src, names=[n for n, _ in zoo], **opts)
             torch.cuda.synchronize()
             wrong = [n for (n, t), (_, e) in zip(zoo, expected) if not same_bits(t, e)]
@@ -52,9 +53,13 @@ def _bitwise_and_order_body(rank, world_size):
         wrong = [i for i, (c, v) in enumerate(zip(copies, new_values)) if not torch.equal(c, v)]
         assert not wrong, f"rank {rank} user_stream={use_user_stream}: stale reads at {wrong[:5]}"
 
-    # A tensor on a device the group's backend cannot serve: NCCL gets a CPU tensor.
-    with pytest.raises(ValueError, match=r"tensor 0 \('cpu.w'\) on rank \d.*cpu.*no backend for cpu"):
+    # A tensor on a device the group's backend cannot serve: NCCL gets a CPU tensor. Every rank
+    # refuses at the agreement; the core's own check (below it) is exercised directly too.
+    with pytest.raises(ValueError, match=r"rank \d refused.*cpu.*no backend for cpu"):
         coalesced_bcast.broadcast_tensors([torch.zeros(3)], src=0, names=["cpu.w"])
+    plan = coalesced_bcast._C.Plan([torch.zeros(3)], ["cpu.w"], 4096, 1, 1 << 40, 0, rank)
+    with pytest.raises(ValueError, match=r"tensor 0 \('cpu.w'\) on rank \d is on cpu.*no backend for cpu"):
+        plan.broadcast(dist.group.WORLD, 0)
 
 
 def test_bitwise_stream_order_and_wrong_device():
