@@ -36,7 +36,15 @@ for s in $steps; do
     fsdp2) [ -f bench/fsdp2_load.py ] && step fsdp2 300 $RUN bench/fsdp2_load.py --out "$OUT/fsdp2.jsonl" ;;
     soak) [ -f bench/soak.py ] && step soak 200 $RUN bench/soak.py --out "$OUT/soak.jsonl" ;;
     sanitize) [ -f bench/sanitize.sh ] && step sanitize 400 bash bench/sanitize.sh ;;
-    perf) [ -f bench/perf/build.sh ] && step perf 400 bash -c "bash bench/perf/build.sh && $PY -m torch.distributed.run --standalone --nproc-per-node 2 --no-python build/perf/coalesced_bcast_perf -b 1M -e 4G -f 4 -n 10 -w 3 -c 1 -d llama && $PY -m torch.distributed.run --standalone --nproc-per-node 2 --no-python build/perf/coalesced_bcast_perf -b 64M -e 1G -f 4 -n 10 -w 3 -c 1 -d small" ;;
+    perf) [ -f bench/perf/build.sh ] && step perf 480 bash -c '
+        set -e; bash bench/perf/build.sh
+        R="'"$PY"' -m torch.distributed.run --standalone --nproc-per-node 2 --no-python build/perf/coalesced_bcast_perf"
+        $R -d llama -b 1G -e 16G -f 2 -n 20 -w 5 -c 1 -J "$OUT/perf_llama.jsonl"
+        $R -d llama -b 16060522496 -e 16060522496 -n 20 -w 5 -c 1 -J "$OUT/perf_llama8b.jsonl"
+        $R -d small -b 1G -e 4G -f 2 -n 20 -w 5 -c 1 -J "$OUT/perf_small.jsonl"
+        $R -d mixed -b 64M -e 1G -f 4 -n 5 -w 2 -c 1 --bucket-bytes 1M --inplace-min-bytes 4M
+        if $R -d llama -b 1G -e 1G -n 2 -w 1 --inject-fault; then echo "fault run exited 0: the check is broken"; exit 1; fi
+        echo "fault run failed as it must"' ;;
     *) echo "unknown step $s"; status=1 ;;
   esac
 done

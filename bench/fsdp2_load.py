@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import sys
 import statistics
 import time
 
@@ -34,32 +35,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import coalesced_bcast
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama import Block, Model  # noqa: E402
 
 GiB = 2**30
 DTYPE = torch.bfloat16
-
-
-# The model of shared/anchors/baseline_bcast.py (dimensions configurable for the CPU smoke test).
-class Block(nn.Module):
-    def __init__(self, hidden=4096, inter=14336, kv=1024):
-        super().__init__()
-        self.q = nn.Linear(hidden, hidden, bias=False)
-        self.k = nn.Linear(hidden, kv, bias=False)
-        self.v = nn.Linear(hidden, kv, bias=False)
-        self.o = nn.Linear(hidden, hidden, bias=False)
-        self.gate = nn.Linear(hidden, inter, bias=False)
-        self.up = nn.Linear(hidden, inter, bias=False)
-        self.down = nn.Linear(inter, hidden, bias=False)
-        self.n1 = nn.LayerNorm(hidden)
-        self.n2 = nn.LayerNorm(hidden)
-
-
-class Model(nn.Module):
-    def __init__(self, layers=32, hidden=4096, inter=14336, kv=1024, vocab=128256):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList([Block(hidden, inter, kv) for _ in range(layers)])
-        self.head = nn.Linear(hidden, vocab, bias=False)
 
 
 class Small(nn.Module):

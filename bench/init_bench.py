@@ -43,6 +43,8 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import coalesced_bcast  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama import Block, Model  # noqa: E402
 
 GiB = 2**30
 ALL_MODES = ["fsdp1_base", "fsdp1_cb", "fsdp1_base", "fsdp1_cb", "ddp_base", "ddp_cb", "ddp_base", "ddp_cb",
@@ -54,30 +56,6 @@ FSDP1_RANK1_PEAK_TARGET = 10.4
 
 
 # ------------------------------------------------------------------------------------------ models
-
-class Block(nn.Module):
-    """As in shared/anchors/baseline_bcast.py (Llama-3-8B shapes by default)."""
-
-    def __init__(self, hidden=4096, inter=14336, kv=1024):
-        super().__init__()
-        self.q = nn.Linear(hidden, hidden, bias=False)
-        self.k = nn.Linear(hidden, kv, bias=False)
-        self.v = nn.Linear(hidden, kv, bias=False)
-        self.o = nn.Linear(hidden, hidden, bias=False)
-        self.gate = nn.Linear(hidden, inter, bias=False)
-        self.up = nn.Linear(hidden, inter, bias=False)
-        self.down = nn.Linear(inter, hidden, bias=False)
-        self.n1 = nn.LayerNorm(hidden)
-        self.n2 = nn.LayerNorm(hidden)
-
-
-class Model(nn.Module):
-    def __init__(self, layers=32, hidden=4096, inter=14336, kv=1024, vocab=128256):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList([Block(hidden, inter, kv) for _ in range(layers)])
-        self.head = nn.Linear(hidden, vocab, bias=False)
-
 
 FULL = dict(layers=32, hidden=4096, inter=14336, kv=1024, vocab=128256)
 SMALL = dict(layers=3, hidden=128, inter=320, kv=32, vocab=1000)
@@ -371,16 +349,18 @@ def summarize(rows: list[dict]) -> dict:
     for kind in ("fsdp1", "ddp"):
         b, c = f"{kind}_base", f"{kind}_cb"
         for rank in ranks:
-            for key in ("seconds", "sync_seconds", "peak_alloc_GiB", "peak_reserved_GiB", "sync_peak_alloc_GiB",
+            for key in ("seconds", "sync_seconds", "extra_alloc_GiB", "extra_reserved_GiB", "sync_peak_alloc_GiB",
                         "sync_peak_reserved_GiB", "sync_extra_alloc_GiB", "sync_extra_reserved_GiB"):
                 vb, vc = get(b, rank, key), get(c, rank, key)
                 if vb is not None or vc is not None:
                     out[f"{kind}.r{rank}.{key}"] = [vb, vc]
-    p1 = get("fsdp1_cb", 1, "peak_alloc_GiB")
+    # Modes run one after another in one process and a finished FSDP model is not always freed at
+    # once, so peaks are taken over each mode's own starting point (the anchors' rank 1 starts empty).
+    p1 = get("fsdp1_cb", 1, "extra_alloc_GiB")
     if p1 is not None:
         out["target.fsdp1_rank1_peak_alloc<=10.4"] = p1 <= FSDP1_RANK1_PEAK_TARGET
         out["target.fsdp1_peak_reserved<=base"] = all(
-            (get("fsdp1_cb", r, "peak_reserved_GiB") or 0) <= (get("fsdp1_base", r, "peak_reserved_GiB") or 0)
+            (get("fsdp1_cb", r, "extra_reserved_GiB") or 0) <= (get("fsdp1_base", r, "extra_reserved_GiB") or 0)
             for r in ranks)
     ring = max((get("ddp_cb", r, "ring_MiB") or 0) for r in ranks) / 1024
     if get("ddp_cb", 0, "sync_extra_alloc_GiB") is not None:

@@ -16,15 +16,17 @@ at::Tensor as_bytes(const at::Tensor& t) {
 
 void check_backend(const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
   const auto type = plan.device.type();
-  bool served = true;
+  c10::intrusive_ptr<c10d::Backend> backend;
   try {
-    pg->getBackend(type);
+    backend = pg->getBackend(type);
   } catch (const std::exception&) {
-    served = false;
   }
+  // Some torch versions hand back an empty backend for a device type the group
+  // was not made for; NCCL never serves CPU tensors.
+  const bool served = backend && !(type == c10::DeviceType::CPU && backend->getBackendName() == "nccl");
   TORCH_CHECK_VALUE(
-      served, plan.describe(0), " is on ", plan.device, " but process group '", pg->getGroupDesc(), "' (backend ",
-      pg->getBackendName(), ") has no backend for ", type, " tensors");
+      served, plan.describe(0), " is on ", plan.device, " but process group '", pg->getGroupDesc(),
+      "' has no backend for ", type, " tensors");
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
 
 namespace coalesced_bcast {
@@ -11,19 +12,6 @@ namespace {
 
 // Group sizes NCCL handles comfortably inside one ncclGroupStart/End.
 constexpr size_t kMaxGroupOps = 64;
-
-struct RangeKey {
-  uintptr_t addr;
-  int64_t nbytes;
-  bool operator==(const RangeKey& o) const {
-    return addr == o.addr && nbytes == o.nbytes;
-  }
-};
-struct RangeKeyHash {
-  size_t operator()(const RangeKey& k) const {
-    return std::hash<uintptr_t>()(k.addr) * 31 + std::hash<int64_t>()(k.nbytes);
-  }
-};
 
 std::string shape_str(at::IntArrayRef sizes) {
   std::ostringstream s;
@@ -82,11 +70,11 @@ Layout collapse(const Plan& plan, int64_t input, const at::Tensor& t) {
 }
 
 // Address range [lo, hi) that a tensor's elements can touch.
-std::pair<uintptr_t, uintptr_t> extent(const at::Tensor& t) {
-  auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+std::pair<uintptr_t, uintptr_t> extent(const UniqueTensor& u) {
+  if (u.contiguous) return {u.ptr, u.ptr + static_cast<uintptr_t>(u.nbytes)};
   int64_t last = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-  return {lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size())};
+  for (int64_t d = 0; d < u.tensor.dim(); ++d) last += (u.tensor.size(d) - 1) * u.tensor.stride(d);
+  return {u.ptr, u.ptr + static_cast<uintptr_t>((last + 1) * u.elem_size)};
 }
 
 // Two different tensors sharing bytes would be written twice from different
@@ -99,7 +87,7 @@ void check_no_overlap(const Plan& plan) {
   std::vector<Span> spans;
   for (size_t u = 0; u < plan.unique.size(); ++u) {
     if (plan.unique[u].nbytes == 0) continue;
-    auto e = extent(plan.unique[u].tensor);
+    auto e = extent(plan.unique[u]);
     spans.push_back({e.first, e.second, static_cast<int64_t>(u)});
   }
   std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.lo < b.lo; });
@@ -136,12 +124,12 @@ void lay_out_buckets(Plan& plan) {
     auto& u = plan.unique[ui];
     if (u.inplace || u.nbytes == 0) continue;
     int32_t layout = -1;
-    if (!u.tensor.is_contiguous()) {
+    if (!u.contiguous) {
       plan.layouts.push_back(collapse(plan, u.first_input, u.tensor));
       layout = static_cast<int32_t>(plan.layouts.size() - 1);
     }
-    const auto ptr = reinterpret_cast<uint64_t>(u.tensor.data_ptr());
-    const auto elem = static_cast<int32_t>(u.tensor.element_size());
+    const auto ptr = static_cast<uint64_t>(u.ptr);
+    const auto elem = u.elem_size;
     const int64_t start = align_up(cursor, kAlign);
     for (int64_t off = 0; off < u.nbytes;) {
       const int64_t pos = start + off;
@@ -207,31 +195,54 @@ Plan make_plan(
   TORCH_CHECK_VALUE(options.inplace_min_bytes >= 0, "inplace_min_bytes must be >= 0, got ", options.inplace_min_bytes);
   if (!tensors.empty() && tensors[0].defined()) plan.device = tensors[0].device();
 
-  std::unordered_map<RangeKey, int64_t, RangeKeyHash> by_range;
-  by_range.reserve(tensors.size());
-  std::unordered_multimap<uintptr_t, int64_t> strided_by_addr;
-  plan.input_to_unique.reserve(tensors.size());
-  plan.unique.reserve(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
+  // First pass: checks and what we need of each tensor, read once (each
+  // TensorImpl's first touch is a cache miss; at 16k tensors that is the cost).
+  struct Seen {
+    uintptr_t addr;
+    int64_t nbytes;
+    int32_t elem_size;
+    bool contiguous;
+  };
+  const auto n = static_cast<int64_t>(tensors.size());
+  std::vector<Seen> seen(n);
+  std::vector<int64_t> ranges;  // contiguous, non-empty inputs
+  ranges.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
     const auto& t = tensors[i];
-    check_input(plan, static_cast<int64_t>(i), t);
-    const int64_t nbytes = static_cast<int64_t>(t.numel()) * t.element_size();
-    // The same bytes named twice (tied weights, or one buffer registered in two
-    // modules) are sent once. Contiguous tensors are keyed by their byte range,
-    // so a reshaped alias of the same bytes counts as the same tensor too.
-    if (nbytes > 0 && t.is_contiguous()) {
-      RangeKey key{reinterpret_cast<uintptr_t>(t.data_ptr()), nbytes};
-      auto it = by_range.find(key);
-      if (it != by_range.end()) {
-        plan.input_to_unique.push_back(it->second);
-        continue;
-      }
-      by_range.emplace(key, static_cast<int64_t>(plan.unique.size()));
-    } else if (nbytes > 0) {
-      // A strided view is the same tensor only with the same address, shape,
-      // strides and dtype.
-      const auto addr = reinterpret_cast<uintptr_t>(t.data_ptr());
-      auto range = strided_by_addr.equal_range(addr);
+    check_input(plan, i, t);
+    const auto elem_size = static_cast<int32_t>(t.element_size());
+    const int64_t nbytes = static_cast<int64_t>(t.numel()) * elem_size;
+    seen[i] = Seen{nbytes > 0 ? reinterpret_cast<uintptr_t>(t.data_ptr()) : 0, nbytes, elem_size, t.is_contiguous()};
+    if (nbytes > 0 && seen[i].contiguous) ranges.push_back(i);
+  }
+  // The same bytes named twice (tied weights, one buffer registered in two
+  // modules, a reshaped alias) are sent once: contiguous tensors are keyed by
+  // their byte range. Sorting (rather than hashing) allocates nothing per tensor.
+  std::vector<int64_t> alias(n, -1);  // input -> the first input naming the same bytes
+  std::sort(ranges.begin(), ranges.end(), [&](int64_t a, int64_t b) {
+    return std::tie(seen[a].addr, seen[a].nbytes, a) < std::tie(seen[b].addr, seen[b].nbytes, b);
+  });
+  for (size_t k = 1; k < ranges.size(); ++k) {
+    const auto& a = seen[ranges[k - 1]];
+    const auto& b = seen[ranges[k]];
+    if (a.addr == b.addr && a.nbytes == b.nbytes) {
+      alias[ranges[k]] = alias[ranges[k - 1]] >= 0 ? alias[ranges[k - 1]] : ranges[k - 1];
+    }
+  }
+  // A strided view is the same tensor only with the same address, shape,
+  // strides and dtype; such views are rare, a multimap is enough.
+  std::unordered_multimap<uintptr_t, int64_t> strided_by_addr;
+  plan.input_to_unique.reserve(n);
+  plan.unique.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& t = tensors[i];
+    const auto& s = seen[i];
+    if (alias[i] >= 0) {
+      plan.input_to_unique.push_back(plan.input_to_unique[alias[i]]);
+      continue;
+    }
+    if (s.nbytes > 0 && !s.contiguous) {
+      auto range = strided_by_addr.equal_range(s.addr);
       auto same = std::find_if(range.first, range.second, [&](const auto& kv) {
         const auto& o = plan.unique[kv.second].tensor;
         return o.sizes() == t.sizes() && o.strides() == t.strides() && o.scalar_type() == t.scalar_type();
@@ -240,12 +251,12 @@ Plan make_plan(
         plan.input_to_unique.push_back(same->second);
         continue;
       }
-      strided_by_addr.emplace(addr, static_cast<int64_t>(plan.unique.size()));
+      strided_by_addr.emplace(s.addr, static_cast<int64_t>(plan.unique.size()));
     }
-    const bool inplace = t.is_contiguous() && nbytes > 0 && nbytes >= options.inplace_min_bytes;
+    const bool inplace = s.contiguous && s.nbytes > 0 && s.nbytes >= options.inplace_min_bytes;
     plan.input_to_unique.push_back(static_cast<int64_t>(plan.unique.size()));
-    plan.unique.push_back(UniqueTensor{t, static_cast<int64_t>(i), nbytes, inplace});
-    plan.total_bytes += nbytes;
+    plan.unique.push_back(UniqueTensor{t, i, s.nbytes, s.addr, s.elem_size, s.contiguous, inplace});
+    plan.total_bytes += s.nbytes;
   }
   check_no_overlap(plan);
   group_inplace(plan);
@@ -269,7 +280,7 @@ void validate_copy_table(const Plan& plan) {
       const auto u = plan.op_unique[i];
       TORCH_CHECK(u >= 0 && u < static_cast<int64_t>(plan.unique.size()), "copy op ", i, " owner out of range");
       const auto& owner = plan.unique[u];
-      TORCH_CHECK(!owner.inplace && op.tensor_ptr == reinterpret_cast<uint64_t>(owner.tensor.data_ptr()),
+      TORCH_CHECK(!owner.inplace && op.tensor_ptr == static_cast<uint64_t>(owner.ptr),
                   "copy op ", i, " does not point at its packed tensor");
       TORCH_CHECK(op.bucket_offset % kAlign == 0 && op.bucket_offset >= prev_end, "copy op ", i,
                   " bucket offset unaligned or overlapping: ", op.bucket_offset);

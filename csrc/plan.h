@@ -25,6 +25,9 @@ struct UniqueTensor {
   at::Tensor tensor;
   int64_t first_input;  // the first input that names these bytes
   int64_t nbytes;
+  uintptr_t ptr;  // address of the first element, read once
+  int32_t elem_size;
+  bool contiguous;
   bool inplace;
 };
 
