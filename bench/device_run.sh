@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one call on the device machine (nvidia-h200-x2):
-#   bash bench/device_run.sh [STEP...]     steps: env build gputest bench init fsdp2 soak sanitize perf (default: all)
+#   bash bench/device_run.sh [STEP...]     steps: env build gputest bench init fsdp2 soak gpuchecks timeout sanitize perf (default: all)
 # Builds the extension in place with the machine's own torch, then runs each step; logs and
 # results go under $OUT (or ./out). A failing step is reported and the next one still runs.
 set -uo pipefail
@@ -12,7 +12,7 @@ export PYTHONPATH=$PWD/python:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFF
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-32}
 PY=${PY:-python3}
 RUN="$PY -m torch.distributed.run --standalone --nproc-per-node 2"
-steps=${*:-env build gputest bench init fsdp2 soak sanitize perf}
+steps=${*:-env build gputest bench init fsdp2 soak gpuchecks timeout sanitize perf}
 status=0
 
 step() {  # step NAME TIMEOUT COMMAND...
@@ -32,11 +32,13 @@ for s in $steps; do
     build) step build 400 $PY setup.py build_ext --inplace ;;
     gputest) step gputest 400 $PY -m pytest -x -q -s tests/test_gpu_nccl.py ;;
     bench) step bench 500 $RUN bench/bench.py --out "$OUT/bench" ;;
-    init) [ -f bench/init_bench.py ] && step init 300 $RUN bench/init_bench.py --out "$OUT/init.jsonl" ;;
-    fsdp2) [ -f bench/fsdp2_load.py ] && step fsdp2 300 $RUN bench/fsdp2_load.py --out "$OUT/fsdp2.jsonl" ;;
-    soak) [ -f bench/soak.py ] && step soak 200 $RUN bench/soak.py --out "$OUT/soak.jsonl" ;;
-    sanitize) [ -f bench/sanitize.sh ] && step sanitize 400 bash bench/sanitize.sh ;;
-    perf) [ -f bench/perf/build.sh ] && step perf 480 bash -c '
+    init) step init 300 $RUN bench/init_bench.py --out "$OUT/init.jsonl" ;;
+    fsdp2) step fsdp2 300 $RUN bench/fsdp2_load.py --out "$OUT/fsdp2.jsonl" ;;
+    soak) step soak 200 $RUN bench/soak.py --out "$OUT/soak.jsonl" ;;
+    gpuchecks) step gpuchecks 200 $RUN bench/soak.py --mode gpu-checks --out "$OUT/soak-gpu-checks.jsonl" ;;
+    timeout) step timeout 300 $PY bench/soak.py --mode timeout --out "$OUT/soak-timeout.jsonl" ;;
+    sanitize) step sanitize 400 bash bench/sanitize.sh ;;
+    perf) step perf 480 bash -c '
         set -e; bash bench/perf/build.sh
         R="'"$PY"' -m torch.distributed.run --standalone --nproc-per-node 2 --no-python build/perf/coalesced_bcast_perf"
         $R -d llama -b 1G -e 16G -f 2 -n 20 -w 5 -c 1 -J "$OUT/perf_llama.jsonl"

@@ -2,10 +2,9 @@
 // structure for the Python side (agreement, tests), and broadcast().
 #include <torch/extension.h>
 
-#include <unordered_map>
-
 #include "pipeline.h"
 #include "plan.h"
+#include "verify.h"
 
 namespace py = pybind11;
 using namespace coalesced_bcast;
@@ -31,16 +30,12 @@ Plan build_plan(
 
 // Per bucket: (unique index, tensor offset, bucket offset, bytes, strided).
 py::list bucket_table(const Plan& plan) {
-  std::unordered_map<uint64_t, int64_t> index;
-  for (size_t u = 0; u < plan.unique.size(); ++u) {
-    if (plan.unique[u].nbytes > 0) index[reinterpret_cast<uint64_t>(plan.unique[u].tensor.data_ptr())] = u;
-  }
   py::list out;
   for (const auto& b : plan.buckets) {
     py::list ops;
     for (int64_t i = b.first_op; i < b.first_op + b.num_ops; ++i) {
       const auto& op = plan.ops[i];
-      ops.append(py::make_tuple(index.at(op.tensor_ptr), op.tensor_offset, op.bucket_offset, op.nbytes, op.layout >= 0));
+      ops.append(py::make_tuple(plan.op_unique[i], op.tensor_offset, op.bucket_offset, op.nbytes, op.layout >= 0));
     }
     out.append(py::make_tuple(b.nbytes, ops));
   }
@@ -58,9 +53,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       false
 #endif
   );
+  m.def("hash_words", &hash_words, py::arg("words"));
   m.def("dtype_name", [](int64_t code) { return std::string(c10::toString(static_cast<c10::ScalarType>(code))); });
   m.attr("fingerprint_header") = kFingerprintHeader;
   m.attr("fingerprint_record") = kFingerprintRecord;
+  m.def("hash_tensors", &hash_tensors, py::arg("tensors"), py::call_guard<py::gil_scoped_release>(),
+        "Per tensor a 64-bit hash of its bytes in logical order, then their digest (int64, on the tensors' device)");
+  m.def("_check_corrupted_table", &check_corrupted_table, py::arg("plan"), py::arg("what"),
+        "Test hook: validate_copy_table's message for a copy of the plan with one corrupted field ('' if none)");
   py::class_<Plan>(m, "Plan")
       .def(py::init(&build_plan), py::arg("tensors"), py::arg("names"), py::arg("bucket_bytes"),
            py::arg("ring_depth"), py::arg("inplace_min_bytes"), py::arg("coalesce_bytes"), py::arg("rank"))

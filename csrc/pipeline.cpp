@@ -1,5 +1,7 @@
 #include "pipeline.h"
 
+#include <algorithm>
+
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
 
@@ -11,19 +13,18 @@ namespace {
 // Every broadcast moves raw bytes: dtypes that a backend cannot reduce (fp8,
 // bool, complex) travel as well as any other, and buckets mix dtypes freely.
 at::Tensor as_bytes(const at::Tensor& t) {
-  return t.view({-1}).view(at::kByte);
+  // as_strided, not view(-1): a contiguous tensor may still carry odd strides
+  // on size-1 dims (a one-element slice at stride 2), which view(dtype) refuses.
+  return t.as_strided({t.numel()}, {1}).view(at::kByte);
 }
 
 void check_backend(const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  // The group's own list of device types: asking getBackend() for a type the
+  // group was not made for throws or, on some torch versions, worse.
   const auto type = plan.device.type();
-  c10::intrusive_ptr<c10d::Backend> backend;
-  try {
-    backend = pg->getBackend(type);
-  } catch (const std::exception&) {
-  }
-  // Some torch versions hand back an empty backend for a device type the group
-  // was not made for; NCCL never serves CPU tensors.
-  const bool served = backend && !(type == c10::DeviceType::CPU && backend->getBackendName() == "nccl");
+  const auto types = pg->getDeviceTypes();
+  const bool served =
+      std::any_of(types.begin(), types.end(), [&](const c10::Device& d) { return d.type() == type; });
   TORCH_CHECK_VALUE(
       served, plan.describe(0), " is on ", plan.device, " but process group '", pg->getGroupDesc(),
       "' has no backend for ", type, " tensors");

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import tempfile
 import time
@@ -26,6 +27,9 @@ def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tupl
     try:
         fn(rank, world_size, *args)
     finally:
+        # Exceptions kept by pytest.raises hold the group alive past destroy_process_group, and
+        # it would then die during interpreter exit ("terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()
 
 

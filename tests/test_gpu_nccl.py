@@ -57,13 +57,21 @@ def _bitwise_and_order_body(rank, world_size):
     # refuses at the agreement; the core's own check (below it) is exercised directly too.
     with pytest.raises(ValueError, match=r"rank \d refused.*cpu.*no backend for cpu"):
         coalesced_bcast.broadcast_tensors([torch.zeros(3)], src=0, names=["cpu.w"])
+
+
+def test_bitwise_stream_order_and_wrong_device():
+    run_ranks(2, _bitwise_and_order_body, backend="nccl", timeout=300)
+
+
+def _core_backend_check_body(rank, world_size):
     plan = coalesced_bcast._C.Plan([torch.zeros(3)], ["cpu.w"], 4096, 1, 1 << 40, 0, rank)
     with pytest.raises(ValueError, match=r"tensor 0 \('cpu.w'\) on rank \d is on cpu.*no backend for cpu"):
         plan.broadcast(dist.group.WORLD, 0)
 
 
-def test_bitwise_stream_order_and_wrong_device():
-    run_ranks(2, _bitwise_and_order_body, backend="nccl", timeout=300)
+def test_core_refuses_a_device_the_group_cannot_serve():
+    """Below the agreement: the core's own check, with no Python in front of it."""
+    run_ranks(2, _core_backend_check_body, backend="nccl", timeout=120)
 
 
 def _memory_body(rank, world_size):

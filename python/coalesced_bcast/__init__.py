@@ -4,7 +4,7 @@
     stats = coalesced_bcast.sync_module(model, src=0)            # every parameter and buffer
     stats = coalesced_bcast.broadcast_tensors(tensors, src=0)    # any list of tensors
 """
-from .agree import AgreementError
+from .agree import AgreementError, CollectiveError
 from .sync import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_COALESCE_BYTES,
@@ -15,11 +15,17 @@ from .sync import (
     sync_module,
 )
 from . import fsdp
+from .verify import VerifyError, VerifyStats, tensor_hashes, verify_tensors
 from .state_dict import LoadStateDictError, LoadStats, load_full_state_dict
 from .install import PatchedCall, install, installed, is_installed, patched_calls, uninstall
 
 __all__ = [
     "AgreementError",
+    "CollectiveError",
+    "VerifyError",
+    "VerifyStats",
+    "tensor_hashes",
+    "verify_tensors",
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_COALESCE_BYTES",
     "DEFAULT_INPLACE_MIN_BYTES",

@@ -1,19 +1,33 @@
-"""Agreement before any payload byte moves: every rank learns whether every rank can take part and
-holds the source's structure, and on any failure every rank raises the same error.
+"""Agreement before any payload byte moves: every rank learns whether every rank can take part, names
+the same source and holds the source's structure, and on any failure every rank raises the same error.
 
 Cost when all is well: one all_gather of a 512-byte record per rank, whatever the model's size.
 Only when a fingerprint differs does the source broadcast its whole fingerprint and the ranks
 gather one message each.
+
+Timeouts: gloo honours a per-call deadline (the collective's options) and raises; a failed
+collective becomes a CollectiveError here. NCCL takes every collective's deadline from its group's
+options (ProcessGroupNCCL::assignTimeoutToWork) and ignores the call's, so :func:`group_timeout`
+sets the NCCL group's default timeout for the length of a call (collectives other threads start on
+the same group meanwhile get it too). When an NCCL deadline passes, torch's watchdog stops the
+process (TORCH_NCCL_ASYNC_ERROR_HANDLING, default 3) with a "Watchdog caught collective operation
+timeout" message: sync ops return before the GPU finishes, so there is no call left to raise in.
 """
 from __future__ import annotations
 
-import hashlib
-from typing import Optional, Sequence
+import contextlib
+import logging
+import time
+from datetime import timedelta
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, BroadcastOptions
 
 from . import _C
+
+logger = logging.getLogger(__name__)
 
 _RECORD = 512  # bytes per rank: 4 int64 of header, then a UTF-8 message
 _HEADER = 32
@@ -27,28 +41,145 @@ class AgreementError(ValueError):
     """
 
 
-def _control_device(pg: dist.ProcessGroup) -> torch.device:
-    backend = str(dist.get_backend(pg))
-    if "nccl" in backend and "gloo" not in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+class CollectiveError(RuntimeError):
+    """A collective of the sync failed on this rank: a rank died, did not arrive within the timeout,
+    or called something else. The other ranks fail the same way (or, on NCCL, are stopped by the
+    watchdog); the group should be considered broken.
+    """
 
 
-def _hash(fp: torch.Tensor) -> int:
-    return int.from_bytes(hashlib.blake2b(fp.numpy().tobytes(), digest_size=8).digest(), "little", signed=True)
+def as_timedelta(timeout: Optional[float | timedelta]) -> Optional[timedelta]:
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    return timedelta(seconds=float(timeout))
 
 
-def _record(status: int, fp_len: int, fp_hash: int, message: str) -> torch.Tensor:
+def _nccl_backend(pg: dist.ProcessGroup):
+    try:
+        backend = pg._get_backend(torch.device("cuda"))
+    except Exception:  # no CUDA backend in this group
+        return None
+    return backend if type(backend).__name__ == "ProcessGroupNCCL" else None
+
+
+@contextlib.contextmanager
+def group_timeout(pg: dist.ProcessGroup, timeout: Optional[float | timedelta]) -> Iterator[None]:
+    """Collectives that NCCL starts inside the block get `timeout` as their watchdog deadline.
+
+    The group's own timeout is restored on exit (work already started keeps the deadline it got).
+    A no-op for gloo, which takes the deadline from each call's options.
+    """
+    timeout = as_timedelta(timeout)
+    backend = _nccl_backend(pg) if timeout is not None else None
+    if backend is None:
+        yield
+        return
+    try:
+        old = backend.options._timeout
+        backend._set_default_timeout(timeout)
+    except AttributeError:  # an older torch without the knobs: the group's timeout applies
+        logger.warning("coalesced_bcast: this torch cannot change an NCCL group's timeout; the group's applies")
+        yield
+        return
+    try:
+        yield
+    finally:
+        backend._set_default_timeout(old)
+
+
+def _run(name: str, pg: dist.ProcessGroup, timeout: Optional[timedelta], start) -> None:
+    """Run one collective; turn a peer's death or a missed deadline into a CollectiveError that says so."""
+    t0 = time.monotonic()
+    try:
+        work = start()
+        if work is not None:
+            work.wait()
+    except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
+        limit = f"{timeout.total_seconds():g} s" if timeout is not None else "the group's timeout"
+        raise CollectiveError(
+            f"coalesced_bcast: {name} over {pg.size()} ranks failed on rank {dist.get_rank()} after "
+            f"{time.monotonic() - t0:.1f} s (limit: {limit}): a rank died, did not call the sync in time, or "
+            f"called another collective. The group is unusable now. Cause: {e}") from e
+
+
+def payload_broadcast(plan, pg: dist.ProcessGroup, src: int, timeout: Optional[float | timedelta]):
+    """plan.broadcast (the C++ core), with a failure turned into a CollectiveError that says what it means."""
+    timeout = as_timedelta(timeout)
+    t0 = time.monotonic()
+    try:
+        return plan.broadcast(pg, src, timeout.total_seconds() if timeout is not None else 0.0)
+    except RuntimeError as e:
+        limit = f"{timeout.total_seconds():g} s" if timeout is not None else "the group's timeout"
+        raise CollectiveError(
+            f"coalesced_bcast: the payload broadcast over {pg.size()} ranks failed on rank {dist.get_rank()} after "
+            f"{time.monotonic() - t0:.1f} s (limit: {limit}); if a rank died, stalled or called another collective, "
+            f"this is why. Receivers' tensors may be partly written and the group is unusable now. Cause: {e}") from e
+
+
+def all_gather(out: list[torch.Tensor], inp: torch.Tensor, pg: dist.ProcessGroup,
+               timeout: Optional[timedelta] = None, what: str = "all_gather") -> None:
+    opts = AllgatherOptions()
+    opts.asyncOp = False
+    if timeout is not None:
+        opts.timeout = timeout
+    _run(what, pg, timeout, lambda: pg.allgather([out], [inp], opts))
+
+
+def broadcast(t: torch.Tensor, group_src: int, pg: dist.ProcessGroup, timeout: Optional[timedelta] = None,
+              what: str = "broadcast") -> None:
+    opts = BroadcastOptions()
+    opts.rootRank, opts.rootTensor, opts.asyncOp = group_src, 0, False
+    if timeout is not None:
+        opts.timeout = timeout
+    _run(what, pg, timeout, lambda: pg.broadcast([t], opts))
+
+
+def all_reduce_max(t: torch.Tensor, pg: dist.ProcessGroup, timeout: Optional[timedelta] = None,
+                   what: str = "all_reduce") -> None:
+    opts = AllreduceOptions()
+    opts.reduceOp, opts.asyncOp = dist.ReduceOp.MAX, False
+    if timeout is not None:
+        opts.timeout = timeout
+    _run(what, pg, timeout, lambda: pg.allreduce([t], opts))
+
+
+def control_device(pg: dist.ProcessGroup) -> torch.device:
+    """Where the group's small control messages live: cpu if the group has a CPU backend, else cuda."""
+    types = {d.type for d in getattr(pg, "_device_types", [])}
+    if not types:
+        backend = str(dist.get_backend(pg))
+        types = {"cuda"} if "nccl" in backend and "gloo" not in backend else {"cpu"}
+    if "cpu" in types:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():  # the same on every rank of the group: all raise, none waits
+        raise ValueError(
+            f"coalesced_bcast: the process group (backend {dist.get_backend(pg)}) has no backend for cpu tensors "
+            f"and this process has no CUDA device to exchange control messages on, on rank {dist.get_rank()}")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def backend_problem(pg: dist.ProcessGroup, device: Optional[torch.device]) -> Optional[str]:
+    """Why this group cannot move tensors on `device`, or None."""
+    if device is None or not hasattr(pg, "_device_types"):
+        return None
+    types = {d.type for d in pg._device_types}
+    if device.type in types:
+        return None
+    return (f"the tensors are on {device} but the process group (backend {dist.get_backend(pg)}) has no backend "
+            f"for {device.type} tensors")
+
+
+def _record(status: int, fp_len: int, fp_hash: int, src: int, message: str) -> torch.Tensor:
     rec = torch.zeros(_RECORD, dtype=torch.uint8)
-    rec[:_HEADER].view(torch.int64)[:3] = torch.tensor([status, fp_len, fp_hash])
+    rec[:_HEADER].view(torch.int64)[:] = torch.tensor([status, fp_len, fp_hash, src])
     raw = message.encode()[: _RECORD - _HEADER]
     rec[_HEADER:_HEADER + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else rec[:0]
     return rec
 
 
-def _gather(rec: torch.Tensor, pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+def _gather(rec: torch.Tensor, pg: dist.ProcessGroup, device: torch.device, timeout: Optional[timedelta]) -> torch.Tensor:
     out = [torch.empty_like(rec, device=device) for _ in range(pg.size())]
-    dist.all_gather(out, rec.to(device), group=pg)
+    all_gather(out, rec.to(device), pg, timeout, what="the agreement all_gather")
     return torch.stack(out).cpu()
 
 
@@ -62,7 +193,7 @@ def _label(i: int, names: Sequence[str]) -> str:
 
 def _parse(fp: torch.Tensor):
     h, r = _C.fingerprint_header, _C.fingerprint_record
-    n_in, n_u = int(fp[1]), int(fp[2])
+    n_u = int(fp[2])
     return fp[h:h + n_u * r].view(n_u, r).tolist(), fp[h + n_u * r:].tolist()
 
 
@@ -91,19 +222,53 @@ def first_difference(src_fp: torch.Tensor, fp: torch.Tensor, names: Sequence[str
     return f"rank {rank}'s fingerprint hash differs from the source's with equal structure"
 
 
-def check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup, src: int,
-                    names: Sequence[str]) -> None:
-    """Raise the same AgreementError on every rank unless every rank planned the source's structure."""
-    device = _control_device(pg)
+_control_streams: dict = {}
+
+
+@contextlib.contextmanager
+def control_stream(device: torch.device) -> Iterator[None]:
+    """Control messages on a stream of their own: the host then waits for them alone, not for work the
+    caller queued before the call (the payload pipeline orders itself after that work by an event)."""
+    if device.type != "cuda":
+        yield
+        return
+    if device.index not in _control_streams:
+        _control_streams[device.index] = torch.cuda.Stream(device)
+    with torch.cuda.stream(_control_streams[device.index]):
+        yield
+
+
+def check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup, src: Optional[int],
+                    names: Sequence[str], *, timeout: Optional[float | timedelta] = None,
+                    device: Optional[torch.device] = None) -> None:
+    """Raise the same AgreementError on every rank unless every rank planned the source's structure.
+
+    `src` is the source's group rank (None when this rank could not resolve it: then `error` says why).
+    `device` is where this rank's tensors live; a group without a backend for it is a refusal too.
+    A rank that dies or does not arrive within `timeout` (default: the group's) makes the others raise
+    CollectiveError.
+    """
+    cdev = control_device(pg)
+    with control_stream(cdev):
+        _check_agreement(plan, error, pg, src, names, as_timedelta(timeout), device, cdev)
+
+
+def _check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup, src: Optional[int],
+                     names: Sequence[str], timeout: Optional[timedelta], device: Optional[torch.device],
+                     cdev: torch.device) -> None:
+    device_problem = backend_problem(pg, device) if error is None else None
+    if error is None and device_problem is not None:
+        error = ValueError(f"{device_problem}, on rank {dist.get_rank()}")
     rank = dist.get_rank()
     ranks = dist.get_process_group_ranks(pg)
+    src_global = ranks[src] if src is not None else -1
     if error is not None:
-        rec = _record(_REFUSED, 0, 0, f"{type(error).__name__}: {error}")
+        rec = _record(_REFUSED, 0, 0, src_global, f"{type(error).__name__}: {error}")
         fp = None
     else:
         fp = plan.fingerprint()
-        rec = _record(_OK, fp.numel(), _hash(fp), "")
-    table = _gather(rec, pg, device)
+        rec = _record(_OK, fp.numel(), _C.hash_words(fp), src_global, "")
+    table = _gather(rec, pg, cdev, timeout)
     heads = table[:, :_HEADER].contiguous().view(torch.int64)
     refused = [r for r in range(pg.size()) if int(heads[r, 0]) == _REFUSED]
     if refused:
@@ -111,15 +276,19 @@ def check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup,
         raise AgreementError(
             f"coalesced_bcast: rank {ranks[r]} refused its input, so no rank sent anything: "
             f"{_message(table[r])}") from error
+    srcs = [int(heads[r, 3]) for r in range(pg.size())]
+    if len(set(srcs)) > 1:
+        named = ", ".join(f"rank {ranks[r]} names {srcs[r]}" for r in range(pg.size()))
+        raise AgreementError(f"coalesced_bcast: the ranks name different sources, so no rank sent anything: {named}")
     src_len, src_hash = int(heads[src, 1]), int(heads[src, 2])
     if all(int(heads[r, 1]) == src_len and int(heads[r, 2]) == src_hash for r in range(pg.size())):
         return
     src_fp = fp.clone() if pg.rank() == src else torch.empty(src_len, dtype=torch.int64)
-    src_fp = src_fp.to(device)
-    dist.broadcast(src_fp, ranks[src], group=pg)
+    src_fp = src_fp.to(cdev)
+    broadcast(src_fp, src, pg, timeout, what="the agreement's fingerprint broadcast")
     src_fp = src_fp.cpu()
     mine = "" if torch.equal(src_fp, fp) else first_difference(src_fp, fp, names, rank)
-    table = _gather(_record(_OK, 0, 0, mine), pg, device)
+    table = _gather(_record(_OK, 0, 0, src_global, mine), pg, cdev, timeout)
     for r in range(pg.size()):
         msg = _message(table[r])
         if msg:
@@ -127,4 +296,3 @@ def check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup,
                 f"coalesced_bcast: rank {ranks[r]} does not match source rank {ranks[src]}, so no rank sent "
                 f"anything: {msg}")
     raise AgreementError("coalesced_bcast: fingerprints differ but no rank found a difference")  # unreachable
-

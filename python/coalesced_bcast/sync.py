@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterable, Optional, Sequence, Union
@@ -11,19 +12,20 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _C
-from .agree import check_agreement
+from .agree import check_agreement, group_timeout, payload_broadcast
+from .verify import verify_plan
 
 logger = logging.getLogger(__name__)
 
 #: Bytes per ring slot. Large enough that a bucket's broadcast runs near link speed on NVLink,
 #: small enough that the whole ring (x ring depth) stays far below a layer's size.
-DEFAULT_BUCKET_BYTES = 16 << 20
+DEFAULT_BUCKET_BYTES = 32 << 20
 #: Ring slots: one being packed or unpacked while another is on the wire, plus one of slack.
 DEFAULT_RING_DEPTH = 3
 #: Contiguous tensors of at least this many bytes are broadcast where they are: no copy, no bucket.
 DEFAULT_INPLACE_MIN_BYTES = 4 << 20
 #: In-place broadcasts are issued in NCCL groups (start/endCoalescing) of about this many bytes.
-DEFAULT_COALESCE_BYTES = 256 << 20
+DEFAULT_COALESCE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,10 @@ class SyncStats:
     packed_bytes: int  # bytes that went through buckets
     buckets: int
     ring_bytes: int  # device (or host, on CPU) bytes held for the ring during the call
-    seconds: float  # host wall time of the call; CUDA work is ordered on the caller's stream
+    seconds: float  # host wall time of the whole call; CUDA work is ordered on the caller's stream
+    plan_seconds: float = 0.0  # of which: planning (dedup, checks, bucket layout)
+    agree_seconds: float = 0.0  # the cross-rank agreement
+    enqueue_seconds: float = 0.0  # queueing the broadcasts (on CPU/gloo: running them)
 
 
 def _resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
@@ -56,6 +61,14 @@ def _group_src(pg: dist.ProcessGroup, src: int) -> int:
     return ranks.index(src)
 
 
+def _check_types(tensors: list, names: list, rank: int) -> None:
+    """Name the first non-tensor (pybind's own message names none)."""
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            label = f" ('{names[i]}')" if i < len(names) else ""
+            raise TypeError(f"tensor {i}{label} on rank {rank} is a {type(t).__name__}, not a torch.Tensor")
+
+
 def broadcast_tensors(
     tensors: Iterable[torch.Tensor],
     src: int = 0,
@@ -67,6 +80,7 @@ def broadcast_tensors(
     inplace_min_bytes: int = DEFAULT_INPLACE_MIN_BYTES,
     coalesce_bytes: int = DEFAULT_COALESCE_BYTES,
     timeout: Optional[Union[float, timedelta]] = None,
+    verify: bool = False,
 ) -> SyncStats:
     """Make every rank's ``tensors`` bitwise equal to the source rank's, in place.
 
@@ -83,36 +97,47 @@ def broadcast_tensors(
         inplace_min_bytes: contiguous tensors this large are broadcast in place, without a copy.
         coalesce_bytes: in-place broadcasts are grouped into one NCCL group up to this many bytes
             (0: one at a time).
-        timeout: seconds (or a timedelta) for each collective; default: the group's timeout.
+        timeout: seconds (or a timedelta) for each collective, the agreement's too; default: the group's
+            timeout. On NCCL it becomes the group's timeout for the length of the call.
+        verify: after the sync, hash every tensor on every rank and compare (one 32-byte all_reduce);
+            raise VerifyError on every rank, naming the first differing tensor, if any rank differs.
 
     Every rank must call this with tensors of the same structure (checked before any byte moves).
     On CUDA the work is queued on side streams and the caller's current stream is made to wait for
     it: the tensors can be used at once, in stream order, without a synchronize.
     """
+    t0 = time.perf_counter()
     pg = _resolve_group(group)
     rank = dist.get_rank()
     tensors = list(tensors)
     names = list(names) if names is not None else []
-    src_group = _group_src(pg, src)  # the same arguments everywhere: raise before any collective
-    plan, error = None, None
+    plan, error, src_group = None, None, None
     try:
-        for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor):
-                label = f" ('{names[i]}')" if i < len(names) else ""
-                raise TypeError(f"tensor {i}{label} on rank {rank} is a {type(t).__name__}, not a torch.Tensor")
-        # Raw storage writes: autograd never sees them, and leaves stay leaves.
-        plan = _C.Plan([t.detach() for t in tensors], names, bucket_bytes, ring_depth, inplace_min_bytes,
-                       coalesce_bytes, rank)
+        src_group = _group_src(pg, src)  # a bad src on any rank: every rank raises, at the agreement
+        # The core writes raw storage with autograd off: parameters go in as they are (no detach(),
+        # which would cost a Python object per tensor: at 16k tensors, more than the broadcast).
+        try:
+            plan = _C.Plan(tensors, names, bucket_bytes, ring_depth, inplace_min_bytes, coalesce_bytes, rank)
+        except TypeError:
+            _check_types(tensors, names, rank)
+            raise
     except (TypeError, ValueError) as e:
         error = e
-    check_agreement(plan, error, pg, src_group, names)
+    t_planned = time.perf_counter()
     if timeout is not None and isinstance(timeout, timedelta):
         timeout = timeout.total_seconds()
-    seconds, ring_bytes = plan.broadcast(pg, src_group, float(timeout or 0.0))
+    with group_timeout(pg, timeout):
+        check_agreement(plan, error, pg, src_group, names, timeout=timeout,
+                        device=tensors[0].device if tensors and error is None else None)
+        t_agreed = time.perf_counter()
+        enqueue_seconds, ring_bytes = payload_broadcast(plan, pg, src_group, timeout)
+        if verify:
+            verify_plan(plan, tensors, names, pg, src_group, timeout)
     stats = SyncStats(
         tensors=plan.num_inputs, unique_tensors=plan.num_unique, bytes=plan.total_bytes,
         inplace_tensors=plan.num_inplace, packed_bytes=plan.packed_bytes, buckets=plan.num_buckets,
-        ring_bytes=ring_bytes, seconds=seconds)
+        ring_bytes=ring_bytes, seconds=time.perf_counter() - t0, plan_seconds=t_planned - t0,
+        agree_seconds=t_agreed - t_planned, enqueue_seconds=enqueue_seconds)
     if rank == src:
         logger.info("coalesced_bcast: sent %d tensors (%d unique, %.3f GiB, %d in place, %d buckets) in %.3f s",
                     stats.tensors, stats.unique_tensors, stats.bytes / 2**30, stats.inplace_tensors, stats.buckets,

@@ -1,0 +1,343 @@
+"""Never hang, never corrupt, over gloo: structural mismatches raise the same AgreementError on every
+rank before any byte moves; a rank that dies or never arrives makes the others fail within the
+timeout; bad input is refused on every rank; autograd leaves stay leaves."""
+import gc
+import json
+import os
+import re
+import threading
+import time
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import coalesced_bcast
+from coalesced_bcast import AgreementError, _C, agree
+from coalesced_bcast.agree import check_agreement
+from dist_utils import run_ranks
+from zoo import same_bits
+
+SLACK_S = 8.0  # process scheduling on a loaded 2-core CI machine, not the library
+
+# _COLLECT_NOTE: pytest.raises keeps exceptions whose frames hold the process group; a group object that
+# outlives destroy_process_group and dies at interpreter exit can abort the process (seen with gloo:
+# "terminate called without an active exception"), so each body breaks those cycles before returning.
+
+
+def _snapshot(tensors):
+    return [t.detach().clone() for t in tensors if isinstance(t, torch.Tensor) and not t.is_meta
+            and t.layout == torch.strided and not t.is_nested]
+
+
+def _expect_refusal(rank, world_size, tensors, src, group=None, names=None, match="", **kw) -> str:
+    """The call raises the same error on every rank within seconds and writes nothing anywhere."""
+    before = _snapshot(tensors)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        coalesced_bcast.broadcast_tensors(tensors, src, group, names=names, **kw)
+    elapsed = time.monotonic() - t0
+    after = _snapshot(tensors)
+    assert all(same_bits(a, b) for a, b in zip(before, after)), f"rank {rank}: a tensor was written"
+    assert elapsed < 5, f"rank {rank}: took {elapsed:.1f} s"
+    msg = str(err.value)
+    gathered = [None] * (group.size() if group is not None else world_size)
+    dist.all_gather_object(gathered, msg, group=group)
+    assert all(m == msg for m in gathered), gathered
+    assert isinstance(err.value, AgreementError), msg
+    if match:
+        assert re.search(match, msg), (match, msg)
+    return msg
+
+
+def _filled(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-100, 100, shape, generator=g).to(dtype)
+
+
+def _agreement_body_checks(rank, world_size):
+    odd = world_size - 1  # the rank whose structure differs
+    val = 10 + rank  # receivers' values differ from the source's: a write would show
+
+    def base():
+        return [_filled((5,), torch.float32, val), _filled((4, 6), torch.float32, val), _filled((8,), torch.int64, val)]
+
+    names = ["a", "w", "b"]
+    pg = dist.group.WORLD
+
+    # When all is well: exactly one small collective before the payload.
+    tensors = base()
+    calls = []
+    real = agree.all_gather
+
+    def counting(out, inp, *args, **kwargs):
+        calls.append(inp.numel() * inp.element_size())
+        return real(out, inp, *args, **kwargs)
+
+    agree.all_gather = counting
+    try:
+        plan = _C.Plan(tensors, names, 4096, 2, 1 << 40, 0, rank)
+        seq0 = pg._get_sequence_number_for_group()
+        check_agreement(plan, None, pg, 0, names)
+        assert pg._get_sequence_number_for_group() - seq0 == 1
+        assert calls == [512], calls
+        seq0 = pg._get_sequence_number_for_group()
+        stats = coalesced_bcast.broadcast_tensors(tensors, 0, names=names, bucket_bytes=4096)
+        assert pg._get_sequence_number_for_group() - seq0 == 1 + stats.buckets + stats.inplace_tensors
+    finally:
+        agree.all_gather = real
+    assert same_bits(tensors[1], _filled((4, 6), torch.float32, 10))
+
+    cases = []
+    t = base()
+    if rank == odd:
+        t[1] = t[1].reshape(6, 4)  # the same bytes, transposed shape
+    cases.append((t, 0, r"tensor 1 \('w'\): the source has shape \[4, 6\] Float \(96 bytes\), "
+                        rf"rank {odd} has shape \[6, 4\] Float \(96 bytes\)"))
+    t = base()
+    if rank == odd:
+        t[0] = t[0].to(torch.int32)
+    cases.append((t, 0, rf"tensor 0 \('a'\): the source has shape \[5\] Float \(20 bytes\), rank {odd} has "
+                        r"shape \[5\] Int \(20 bytes\)"))
+    t = base() + ([_filled((3,), torch.float32, val)] if rank == odd else [])
+    cases.append((t, 0, rf"the source has 3 tensors, rank {odd} has 4: tensor 3 \('extra'\) is extra"))
+    t = base()[:2] if rank == odd else base()
+    cases.append((t, 0, rf"the source has 3 tensors, rank {odd} has 2: tensor 2 is missing"))
+    # A tie on the source that is not a tie elsewhere: same shapes and dtypes everywhere.
+    t = base()
+    t[2] = t[0] if rank == 0 else _filled((5,), torch.float32, val)
+    cases.append((t, 0, r"tensor 2 \('b'\): the source sends it as the same memory as tensor 0 \('a'\), "
+                        r"rank \d as the same memory as tensor 2 \('b'\) \(tied on one side only\)"))
+    # ... and a tie on one receiver only, with a source other than rank 0.
+    src = 1 if world_size > 2 else 0
+    t = base()
+    t[2] = t[0] if rank == odd else _filled((5,), torch.float32, val)
+    cases.append((t, src, rf"rank {odd} does not match source rank {src}.*tensor 2 \('b'\): the source sends it as "
+                          rf"the same memory as tensor 2 \('b'\), rank {odd} as the same memory as tensor 0 \('a'\)"))
+    for tensors, src, match in cases:
+        src_before = [x.clone() for x in tensors]
+        _expect_refusal(rank, world_size, tensors, src, names=names[:len(tensors)] + ["extra"][:len(tensors) - 3],
+                        match=match)
+        if rank == src:
+            assert all(same_bits(a, b) for a, b in zip(src_before, tensors))
+
+    # Ranks that name different sources (each a valid rank) are caught too.
+    _expect_refusal(rank, world_size, base(), src=rank, names=names, match="the ranks name different sources")
+    # A source that is not in the group, on one rank only: every rank raises at once.
+    _expect_refusal(rank, world_size, base(), src=7 if rank == odd else 0, names=names,
+                    match=rf"rank {odd} refused its input.*src=7 is not a rank of the group")
+    # The group is still usable after all of that.
+    tensors = base()
+    coalesced_bcast.broadcast_tensors(tensors, 0, names=names, verify=True)
+    assert all(same_bits(a, b) for a, b in zip(tensors, [_filled((5,), torch.float32, 10),
+                                                         _filled((4, 6), torch.float32, 10),
+                                                         _filled((8,), torch.int64, 10)]))
+
+
+def _agreement_body(rank, world_size):
+    try:
+        _agreement_body_checks(rank, world_size)
+    finally:
+        gc.collect()  # see _COLLECT_NOTE
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_agreement_mismatch_raises_everywhere_before_any_byte(world_size):
+    run_ranks(world_size, _agreement_body)
+
+
+class Tiny(nn.Module):
+    def __init__(self, device=None):
+        super().__init__()
+        self.lin = nn.Linear(6, 4, device=device)
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
+
+
+def _bad_input_body_checks(rank, world_size):
+    torch.manual_seed(rank)
+    t = lambda: [torch.randn(10), torch.randn(3, 4)]  # noqa: E731
+
+    # Meta, sparse and nested tensors: refused where they are, raised everywhere.
+    m = Tiny(device="meta" if rank == 1 else None)
+    before = _snapshot(list(m.parameters()))
+    with pytest.raises(AgreementError, match=r"rank 1 refused its input.*tensor 0 \('lin.weight'\) on rank 1 is on "
+                                             r"the meta device"):
+        coalesced_bcast.sync_module(m, src=0)
+    assert all(same_bits(a, b) for a, b in zip(before, _snapshot(list(m.parameters()))))
+    x = t()
+    x[1] = x[1].to_sparse() if rank == 0 else x[1]
+    _expect_refusal(rank, world_size, x, 0, names=["d", "s"],
+                    match=r"rank 0 refused its input.*tensor 1 \('s'\) on rank 0 is sparse")
+    with warnings.catch_warnings():  # nested tensors are a prototype
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+        jagged = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)], layout=torch.jagged)
+    x = t() + [nested if rank == 1 else torch.zeros(5)]
+    _expect_refusal(rank, world_size, x, 0, match=r"rank 1 refused its input.*tensor 2 on rank 1 is a nested tensor")
+    x = t() + [jagged if rank == 0 else torch.zeros(5)]
+    _expect_refusal(rank, world_size, x, 0, match=r"rank 0 refused its input.*tensor 2 on rank 0 is (a nested|sparse)")
+    # Not a tensor at all.
+    x = t() + ([None] if rank == 1 else [torch.zeros(1)])
+    _expect_refusal(rank, world_size, x, 0, match=r"rank 1 refused.*tensor 2 on rank 1 is a NoneType")
+    # Two overlapping views of one storage, and a view that overlaps itself.
+    base = torch.arange(20.0)
+    x = [base[0:10], base[5:15]] if rank == 0 else [torch.zeros(10), torch.zeros(10)]
+    _expect_refusal(rank, world_size, x, 0, names=["lo", "hi"],
+                    match=r"rank 0 refused.*tensor 0 \('lo'\) on rank 0 .* and tensor 1 \('hi'\) on rank 0 .*overlapping")
+    x = [torch.zeros(3, 1).expand(3, 4) if rank == 1 else torch.zeros(3, 4)]
+    _expect_refusal(rank, world_size, x, 0, match=r"rank 1 refused.*overlaps itself")
+    # Mixed devices in one call (cpu and meta are the two this machine has).
+    x = [torch.zeros(3), torch.zeros(3, device="meta" if rank == 0 else "cpu")]
+    _expect_refusal(rank, world_size, x, 0, match=r"rank 0 refused.*tensor 1 on rank 0 is on the meta device")
+    # src outside the group, the same on every rank: raised before anything else.
+    _expect_refusal(rank, world_size, t(), 5, match=r"src=5 is not a rank of the group")
+    _expect_refusal(rank, world_size, t(), -1, match=r"src=-1 is not a rank of the group")
+
+    # A group with no backend for the tensors' device: gloo registered for cuda only. Nothing to
+    # agree over on a CPU-only machine, so every rank refuses at once, the same way.
+    cuda_only = dist.new_group(backend="cuda:gloo")
+    x = t()
+    before = _snapshot(x)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"no backend for cpu tensors.*no CUDA device"):
+        coalesced_bcast.broadcast_tensors(x, 0, cuda_only)
+    assert time.monotonic() - t0 < 5 and all(same_bits(a, b) for a, b in zip(before, x))
+
+    # Empty lists and modules: nothing to send, no error, on every rank; empty on one side only: refused.
+    for stats in (coalesced_bcast.broadcast_tensors([], 0, verify=True), coalesced_bcast.sync_module(nn.Module())):
+        assert stats.tensors == stats.bytes == stats.buckets == 0
+    _expect_refusal(rank, world_size, [] if rank == 0 else [torch.zeros(2)], 0,
+                    match=r"the source has 0 tensors, rank 1 has 1: tensor 0 is extra")
+
+    # requires_grad leaves: bytes land, leaves stay leaves with no grad_fn, the version counter moves on
+    # receivers (so a graph that saved the old value refuses to backprop through it), autograd works after.
+    torch.manual_seed(100 + rank)
+    m = Tiny()
+    ref = Tiny()
+    torch.manual_seed(100)
+    ref_src = Tiny()
+    if rank == 0:
+        m.load_state_dict(ref_src.state_dict())
+    stale = (m.lin.weight * m.lin.weight).sum()  # saves the weight for backward
+    versions = [p._version for p in m.parameters()]
+    coalesced_bcast.sync_module(m, src=0, verify=True)
+    for p, q, v in zip(m.parameters(), ref_src.parameters(), versions):
+        assert same_bits(p.detach(), q.detach())
+        assert p.is_leaf and p.requires_grad and p.grad_fn is None and p.grad is None
+        assert (p._version > v) == (rank != 0)
+    if rank != 0:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            stale.backward()
+    else:
+        stale.backward()
+        m.zero_grad()
+    m.lin(torch.ones(2, 6)).sum().backward()
+    assert all(p.grad is not None and p.grad.grad_fn is None for p in m.parameters())
+    del ref
+
+
+def _bad_input_body(rank, world_size):
+    try:
+        _bad_input_body_checks(rank, world_size)
+    finally:
+        gc.collect()  # see _COLLECT_NOTE
+
+
+def test_bad_input_refused_everywhere():
+    run_ranks(2, _bad_input_body)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A rank that never arrives or dies: the others fail within the timeout, never hang.
+
+def _record(out_dir, rank, case, t0, err):
+    with open(os.path.join(out_dir, f"{case}.{rank}.json"), "w") as f:
+        json.dump({"seconds": time.monotonic() - t0, "type": type(err).__name__ if err else None,
+                   "message": str(err) if err else None}, f)
+
+
+def _attempt(out_dir, rank, case, fn):
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - what it was is the result
+        _record(out_dir, rank, case, t0, e)
+    else:
+        _record(out_dir, rank, case, t0, None)
+
+
+def _timeout_body(rank, world_size, out_dir):
+    x = [torch.full((1000,), float(rank)), torch.full((70000,), float(rank))]
+    # never_calls: rank 1 never calls; rank 0 passes timeout=2 (the group's own is 30 min).
+    g = dist.new_group([0, 1])
+    if rank == 0:
+        _attempt(out_dir, rank, "never_calls", lambda: coalesced_bcast.broadcast_tensors(x, 0, g, timeout=2))
+    dist.barrier()
+    # group_timeout: no timeout argument; the group was made with 2 s.
+    g = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    if rank == 0:
+        _attempt(out_dir, rank, "group_timeout", lambda: coalesced_bcast.broadcast_tensors(x, 0, g))
+    dist.barrier()
+    # stuck_after_agreement: the source agrees, then stops; the receiver waits in the payload broadcast.
+    g = dist.new_group([0, 1])
+    if rank == 1:
+        plan = _C.Plan(x, [], 4096, 2, 1 << 40, 0, rank)
+        check_agreement(plan, None, g, 1, [])
+    else:
+        _attempt(out_dir, rank, "stuck_after_agreement",
+                 lambda: coalesced_bcast.broadcast_tensors(x, 1, g, bucket_bytes=4096, timeout=2))
+    dist.barrier()
+    # killed_mid_run: the source dies (os._exit from another thread) while both loop over syncs.
+    g = dist.new_group([0, 1])
+    big = [torch.full((1 << 20,), float(rank)) for _ in range(8)]
+    if rank == 1:
+        threading.Timer(1.0, lambda: os._exit(0)).start()
+        while True:
+            coalesced_bcast.broadcast_tensors(big, 1, g, bucket_bytes=1 << 16)
+
+    def loop():
+        while True:
+            coalesced_bcast.broadcast_tensors(big, 1, g, bucket_bytes=1 << 16, timeout=2)
+    _attempt(out_dir, rank, "killed_mid_run", loop)
+    os._exit(0)  # the group has lost a rank: no teardown
+
+
+def _died_before_call_body(rank, world_size, out_dir):
+    x = [torch.full((1000,), float(rank))]
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)
+    _attempt(out_dir, rank, "died_before_call", lambda: coalesced_bcast.broadcast_tensors(x, 0, timeout=3))
+    os._exit(0)
+
+
+def _results(out_dir, case, ranks):
+    out = {}
+    for r in ranks:
+        with open(os.path.join(out_dir, f"{case}.{r}.json")) as f:
+            out[r] = json.load(f)
+    return out
+
+
+def test_rank_that_never_arrives_or_dies(tmp_path):
+    run_ranks(2, _timeout_body, str(tmp_path), timeout=90)
+    for case, limit in (("never_calls", 2), ("group_timeout", 2)):
+        r = _results(tmp_path, case, [0])[0]
+        assert r["type"] == "CollectiveError" and r["seconds"] < limit + SLACK_S, (case, r)
+        assert r["seconds"] > limit - 0.5, (case, r)  # it was the timeout that ended it
+        assert "the agreement all_gather over 2 ranks failed on rank 0" in r["message"], r
+        assert ("limit: 2 s" if case == "never_calls" else "limit: the group's timeout") in r["message"], r
+    r = _results(tmp_path, "stuck_after_agreement", [0])[0]
+    assert r["type"] == "CollectiveError" and r["seconds"] < 2 + SLACK_S, r
+    assert "the payload broadcast over 2 ranks failed on rank 0" in r["message"] and "Timed out" in r["message"], r
+    r = _results(tmp_path, "killed_mid_run", [0])[0]
+    assert r["type"] == "CollectiveError" and r["seconds"] < 1 + 2 + SLACK_S, r
+
+
+def test_rank_dead_before_the_call_three_ranks(tmp_path):
+    run_ranks(3, _died_before_call_body, str(tmp_path), timeout=60)
+    for rank, r in _results(tmp_path, "died_before_call", [0, 2]).items():
+        assert r["type"] == "CollectiveError" and r["seconds"] < 3 + SLACK_S, (rank, r)
