@@ -97,13 +97,57 @@ def poison(model: nn.Module) -> None:
             local.view(torch.int16).fill_(-1)  # a NaN pattern that pattern() never yields whole
 
 
-def verify(model: nn.Module, seed: int, device: torch.device) -> bool:
-    ok = True
+def verify(model: nn.Module, seed: int, device: torch.device, what: str = "", show: int = 5) -> bool:
+    """Bitwise check of every key; on a mismatch prints the first `show` bad keys with this rank, the
+    number of wrong elements, how many still hold the poison (never written), the first wrong index and
+    whether the local tensor still shares storage with FSDP2's padded shard (_sharded_param_data)."""
+    ok, bad = True, []
+    storages = fsdp_storages(model)
     for i, (k, v) in enumerate(model.state_dict().items()):
         local, start = local_range(v)
         want = pattern(start, start + local.numel(), seed + i, device)
-        ok &= bool(torch.equal(local.reshape(-1).view(torch.int16), want))
+        got = local.reshape(-1).view(torch.int16)
+        if torch.equal(got, want):
+            continue
+        ok = False
+        if len(bad) < show:
+            wrong = got != want
+            n_wrong = int(wrong.sum())
+            first = int(wrong.nonzero()[0, 0])
+            poisoned = int((got == -1).sum())
+            ptr = local.untyped_storage().data_ptr()
+            bad.append(f"{k}: {n_wrong}/{local.numel()} wrong ({poisoned} still poison), first at local "
+                       f"element {first} (global {start + first}): got {int(got[first])} want {int(want[first])}; "
+                       f"local shape {tuple(local.shape)} start {start}; "
+                       f"shares FSDP2 storage: {ptr in storages[k] if k in storages else 'n/a'}")
+        else:
+            bad.append(None)
+    if bad:
+        shown = [b for b in bad if b]
+        print(f"# VERIFY FAILED {what} rank {dist.get_rank()}: {len(bad)} bad keys; first {len(shown)}:\n#   "
+              + "\n#   ".join(shown), flush=True)
     return ok
+
+
+def fsdp_storages(model: nn.Module) -> dict:
+    """key -> data_ptrs of FSDP2's _sharded_param_data for that parameter (empty without FSDP2)."""
+    out: dict = {}
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+    except ImportError:
+        return out
+    names = {id(p): k for k, p in model.named_parameters(remove_duplicate=False)}
+    for m in model.modules():
+        state = _get_module_fsdp_state(m)
+        groups = getattr(state, "_fsdp_param_groups", None) or (
+            [state._fsdp_param_group] if getattr(state, "_fsdp_param_group", None) else [])
+        for g in groups:
+            for fp in g.fsdp_params:
+                k = names.get(id(fp.sharded_param))
+                data = getattr(fp, "_sharded_param_data", None)
+                if k is not None and isinstance(data, torch.Tensor):
+                    out.setdefault(k, set()).add(data.untyped_storage().data_ptr())
+    return out
 
 
 def build(kind: str, args, device: torch.device, mesh) -> nn.Module:
@@ -168,6 +212,19 @@ class Bench:
             row.update(ring_bytes=out.ring_bytes, host_ring_bytes=out.host_ring_bytes, buckets=out.buckets)
         return row
 
+    @staticmethod
+    def load(model: nn.Module, sd, options: dict):
+        from coalesced_bcast import state_dict as sd_mod
+        debug = options.pop("_debug", None)
+        saved = set(sd_mod._DEBUG)
+        if debug:
+            sd_mod._DEBUG.add(debug)
+        try:
+            return coalesced_bcast.load_full_state_dict(model, sd, src=0, **options)
+        finally:
+            sd_mod._DEBUG.clear()
+            sd_mod._DEBUG.update(saved)
+
     def h2d(self, sd: dict) -> None:
         """One large pinned copy (the anchors' measure), the same bytes in 16 MiB copies, and pageable."""
         flat = next(iter(sd.values()))
@@ -204,6 +261,9 @@ class Bench:
         methods = [("dcp", {}), ("coalesced_bcast", {})]
         methods += [(f"coalesced_bcast_b{b >> 20}M", dict(bucket_bytes=b)) for b in args.extra_buckets]
         methods += [(f"coalesced_bcast_t{t}", dict(copy_threads=t)) for t in args.extra_threads]
+        # Bisecting rows (GPU): device syncs between stages; copy_ instead of _foreach_copy_; one slot.
+        methods += [(f"coalesced_bcast_dbg_{d}", dict(_debug=d)) for d in args.debug_modes]
+        methods += [("coalesced_bcast_depth1", dict(ring_depth=1))] if args.debug_modes else []
         for source in sources:
             t0 = time.perf_counter()
             sd = make_source(specs, source, seed, gen_device) if self.rank == 0 else None
@@ -213,14 +273,15 @@ class Bench:
             if self.rank == 0 and not self.cpu and kind == "llama8b" and source != "gpu":
                 self.h2d(sd)
             for name, options in methods:
-                if "copy_threads" in options and source != "pageable" or options and source == "gpu":
+                if ("copy_threads" in options and source != "pageable"
+                        or options and "_debug" not in options and source == "gpu"):
                     continue  # threads only copy pageable memory; a GPU source just checks the path
                 if name == "dcp":
                     # a copy: DCP replaces the values of the dict it is given with the loaded DTensors
                     fn = lambda: set_model_state_dict(model, dict(sd) if self.rank == 0 else {}, options=opts)  # noqa: E731
                     reps = args.dcp_reps if kind == "llama8b" else args.dcp_small_reps
                 else:
-                    fn = lambda: coalesced_bcast.load_full_state_dict(model, sd, src=0, **options)  # noqa: E731
+                    fn = lambda: self.load(model, sd, dict(options))  # noqa: E731
                     reps = args.reps
                 for rep in range(reps + 1):  # rep 0 warms up
                     poison(model)
@@ -228,7 +289,7 @@ class Bench:
                     slowest = torch.tensor([row["sec"]], dtype=torch.float64, device=self.device)
                     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                     last = rep == reps or slowest.item() > args.slow_s  # a slow baseline is timed once
-                    ok = verify(model, seed, self.device) if last else None
+                    ok = verify(model, seed, self.device, f"{kind}/{source}/{name}") if last else None
                     self.emit(kind="load", state=kind, source=source, method=name, rep=rep, warmup=rep == 0,
                               state_GiB=nbytes / GiB, ntensors=len(specs), GBps=nbytes / row["sec"] / 1e9,
                               bitwise_ok=ok, **row)
@@ -305,6 +366,8 @@ def main() -> None:
     p.add_argument("--slow-s", type=float, default=8.0, help="a run slower than this is not repeated")
     p.add_argument("--extra-buckets", default="64", help="MiB; extra coalesced_bcast rows with these bucket sizes")
     p.add_argument("--extra-threads", default="4,16", help="extra coalesced_bcast rows (pageable) with these copy_threads")
+    p.add_argument("--debug-modes", default="",
+                   help="extra coalesced_bcast rows with these state_dict._DEBUG switches (empty: none)")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--inter", type=int, default=14336)
@@ -320,6 +383,7 @@ def main() -> None:
     args.extra_buckets = [int(x) << 20 for x in args.extra_buckets.split(",") if x]
     args.extra_threads = [int(x) for x in args.extra_threads.split(",") if x]
     args.sources = args.sources.split(",")
+    args.debug_modes = [d for d in args.debug_modes.split(",") if d]
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")
     bench = Bench(args)

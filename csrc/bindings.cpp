@@ -11,6 +11,26 @@ using namespace coalesced_bcast;
 
 namespace {
 
+using py::builtin_exception;
+PYBIND11_RUNTIME_EXCEPTION(core_error, PyExc_RuntimeError)
+
+// Errors leave this module as pybind11's own exception types, which this
+// module's dispatcher turns into Python errors itself: on the GPU image (torch
+// 2.11, Python 3.12) a c10::Error passed on to torch's translator crashed the
+// process instead of raising (see the closing notes of the core issue).
+template <typename F>
+decltype(auto) guarded(F&& f) {
+  try {
+    return f();
+  } catch (const c10::ValueError& e) {
+    throw py::value_error(e.what_without_backtrace());
+  } catch (const c10::TypeError& e) {
+    throw py::type_error(e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    throw core_error(e.what_without_backtrace());
+  }
+}
+
 Plan build_plan(
     const std::vector<at::Tensor>& tensors,
     const std::vector<std::string>& names,
@@ -25,7 +45,7 @@ Plan build_plan(
   o.inplace_min_bytes = inplace_min_bytes;
   o.coalesce_bytes = coalesce_bytes;
   o.rank = rank;
-  return make_plan(tensors, names, o);
+  return guarded([&] { return make_plan(tensors, names, o); });
 }
 
 // Per bucket: (unique index, tensor offset, bucket offset, bytes, strided).
@@ -53,11 +73,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       false
 #endif
   );
-  m.def("hash_words", &hash_words, py::arg("words"));
+  m.def("hash_words", [](const at::Tensor& w) { return guarded([&] { return hash_words(w); }); }, py::arg("words"));
   m.def("dtype_name", [](int64_t code) { return std::string(c10::toString(static_cast<c10::ScalarType>(code))); });
   m.attr("fingerprint_header") = kFingerprintHeader;
   m.attr("fingerprint_record") = kFingerprintRecord;
-  m.def("hash_tensors", &hash_tensors, py::arg("tensors"), py::call_guard<py::gil_scoped_release>(),
+  m.def("hash_tensors", [](const std::vector<at::Tensor>& t) { return guarded([&] { return hash_tensors(t); }); },
+        py::arg("tensors"), py::call_guard<py::gil_scoped_release>(),
         "Per tensor a 64-bit hash of its bytes in logical order, then their digest (int64, on the tensors' device)");
   m.def("_check_corrupted_table", &check_corrupted_table, py::arg("plan"), py::arg("what"),
         "Test hook: validate_copy_table's message for a copy of the plan with one corrupted field ('' if none)");
@@ -91,7 +112,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t src, double timeout_s) {
             auto timeout = timeout_s > 0 ? std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000))
                                          : c10d::kUnsetTimeout;
-            auto stats = broadcast_plan(plan, pg, src, timeout);
+            auto stats = guarded([&] { return broadcast_plan(plan, pg, src, timeout); });
             return std::make_pair(stats.seconds, stats.ring_bytes);
           },
           py::arg("group"), py::arg("src"), py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>());

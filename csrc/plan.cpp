@@ -253,7 +253,11 @@ Plan make_plan(
       }
       strided_by_addr.emplace(s.addr, static_cast<int64_t>(plan.unique.size()));
     }
-    const bool inplace = s.contiguous && s.nbytes > 0 && s.nbytes >= options.inplace_min_bytes;
+    // In place only for whole, aligned 16-byte words: NCCL's LL protocol reads
+    // up to a word past the end of a buffer (compute-sanitizer memcheck on H200,
+    // NCCL 2.28.9), harmless inside our ring slots but not at a tensor's end.
+    const bool inplace = s.contiguous && s.nbytes > 0 && s.nbytes >= options.inplace_min_bytes &&
+        s.nbytes % kAlign == 0 && s.addr % kAlign == 0;
     plan.input_to_unique.push_back(static_cast<int64_t>(plan.unique.size()));
     plan.unique.push_back(UniqueTensor{t, i, s.nbytes, s.addr, s.elem_size, s.contiguous, inplace});
     plan.total_bytes += s.nbytes;

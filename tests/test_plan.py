@@ -90,6 +90,10 @@ def test_inplace_threshold_and_coalesced_groups():
     # non-contiguous tensors are never in place, whatever their size
     p = plan([torch.zeros(64, 64).t()], inplace=1)
     assert p.num_inplace == 0 and p.num_buckets == 4  # 16 KiB through 4 KiB buckets
+    # nor are tensors that are not whole, aligned 16-byte words (NCCL reads past their end)
+    base = torch.zeros(10000, dtype=torch.uint8)
+    p = plan([base[:8001], base[8016:8016 + 1024], base[9041:9041 + 512]], inplace=1)
+    assert p.num_inplace == 1 and p.inplace_groups == [[1]]
 
 
 def test_ring_is_bounded_by_depth_and_shrinks_to_the_data():

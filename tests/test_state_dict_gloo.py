@@ -347,3 +347,31 @@ def test_two_ranks() -> None:
 
 def test_three_ranks() -> None:
     run_ranks(3, run_all_3, timeout=150)
+
+
+def _float_opmath_foreach_copy(dsts, srcs):
+    """What CUDA's _foreach_copy_ does for bf16/fp16: through float, so NaN payloads become 0x7FFF."""
+    for d, s in zip(dsts, srcs):
+        d.copy_(s.float().to(d.dtype) if s.dtype in (torch.bfloat16, torch.float16) else s)
+
+
+def _nan_payload_body(rank: int, world: int) -> None:
+    import coalesced_bcast.state_dict as sd_mod
+    model = nn.ParameterList([nn.Parameter(torch.zeros(512, dtype=torch.bfloat16)) for _ in range(8)])
+    # 1 KiB each, four to a 4 KiB bucket: the copy-out batches them
+    wants = [(torch.arange(512, dtype=torch.int32) * 7 + i).remainder(0x7F).add(0x7F81).to(torch.int16)
+             for i in range(8)]  # bf16 NaNs, each with its own payload
+    sd = {f"{i}": w.view(torch.bfloat16).clone() for i, w in enumerate(wants)} if rank == 0 else None
+    real = torch._foreach_copy_
+    torch._foreach_copy_ = _float_opmath_foreach_copy
+    try:
+        sd_mod.load_full_state_dict(model, sd, src=0, bucket_bytes=4096)
+    finally:
+        torch._foreach_copy_ = real
+    for i, (p, w) in enumerate(zip(model, wants)):
+        assert torch.equal(p.data.view(torch.int16), w), f"rank {rank}: NaN payloads of {i} changed"
+
+
+def test_nan_payloads_survive_a_float_opmath_foreach_copy() -> None:
+    """Regression (H200, torch 2.11): the copy-out must move bits even where _foreach_copy_ computes in float."""
+    run_ranks(2, _nan_payload_body)

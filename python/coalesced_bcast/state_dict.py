@@ -43,6 +43,9 @@ _DIRECT_MAX_PIECES = 16
 _THREAD_MIN_BYTES = 1 << 20
 _META_CHUNK = 512 << 10  # metadata moves in pieces this size: small-pool device blocks only
 _RECORD = 4096  # bytes per rank in the verdict all_gather: 3 int64, then a UTF-8 message
+#: Debug switch to bisect a wrong GPU load (COALESCED_BCAST_LOAD_DEBUG=sync, or set here): synchronizes
+#: the device after every stage of every bucket (rules stream ordering in or out).
+_DEBUG: set[str] = set(filter(None, os.environ.get("COALESCED_BCAST_LOAD_DEBUG", "").split(",")))
 
 
 class LoadStateDictError(RuntimeError):
@@ -640,10 +643,28 @@ def _copy_out(slot: torch.Tensor, pieces: list) -> None:
                 for s, t in _box_pairs(slot[o:o + c - a], u, ea, ec, d.local, d.lo, d.hi):
                     dsts.append(t)
                     srcs.append(s)
-    if len(dsts) > 1:
-        torch._foreach_copy_(dsts, srcs)
-    elif dsts:
-        dsts[0].copy_(srcs[0])
+    # Same-dtype pieces are copied as integers: CUDA's _foreach_copy_ computes in float for bf16/fp16
+    # and turns every NaN payload into 0x7FFF (seen on H200, torch 2.11), which is not bitwise.
+    # Casts go one by one through copy_, exactly as load_state_dict casts.
+    same = [(_as_int(d), _as_int(s)) for d, s in zip(dsts, srcs) if d.dtype == s.dtype]
+    if len(same) > 1:
+        torch._foreach_copy_([d for d, _ in same], [s for _, s in same])
+    else:
+        for d, s in same:
+            d.copy_(s)
+    for d, s in zip(dsts, srcs):
+        if d.dtype != s.dtype:
+            d.copy_(s)
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_int(t: torch.Tensor) -> torch.Tensor:
+    """The same elements as same-size integers (any strides): copies of these move bits, not values."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.view(_INT_OF_SIZE[t.element_size()])
 
 
 def _pack_tasks(buf: torch.Tensor, pieces: list) -> list:
@@ -673,7 +694,8 @@ def _run_tasks(buf: torch.Tensor, tasks: list, non_blocking: bool = False) -> No
     for task in tasks:
         if len(task) == 2:
             o, view = task
-            if run and o == end and view.device == buf.device:
+            # only device views are joined: torch.cat cannot mix a host view into a device out=
+            if run and o == end and view.device == buf.device and run[0].device == buf.device:
                 run.append(view)
                 end += view.numel()
             else:
@@ -817,14 +839,20 @@ def _transfer(plan: _Plan, pg: dist.ProcessGroup, src_g: int, is_src: bool, devi
                         dev_pieces = pieces  # pinned byte views go straight to the device, piece by piece
                     _run_tasks(slot, _pack_tasks(slot, dev_pieces), non_blocking=True)
                     lanes.filled[k].record(lanes.copy)
+                if "sync" in _DEBUG:
+                    torch.cuda.synchronize(device)
             progress.update(lo + used - (2 * depth * size if lanes.cuda else 0))  # CUDA: up to two laps queued
         with lanes.on("comm"):
             if lanes.cuda and is_src:
                 lanes.comm.wait_event(lanes.filled[k])
             _bcast(slot, pg, src_g, timeout)
+            if "sync" in _DEBUG and lanes.cuda:
+                torch.cuda.synchronize(device)
             _copy_out(slot, pieces)
             if lanes.cuda:
                 lanes.freed[b % (2 * depth)].record(lanes.comm)
+                if "sync" in _DEBUG:
+                    torch.cuda.synchronize(device)
     lanes.finish(wait_host_copies=is_src and plan.host_src)
     return len(buckets)
 
