@@ -353,8 +353,8 @@ def plot(rows, path):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(case_names))], case_names, rotation=20)
         ax.set_title(title)
     axes[1].set_yscale("symlog")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", ncol=len(main_methods), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=110)
 
 

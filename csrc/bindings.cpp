@@ -11,23 +11,27 @@ using namespace coalesced_bcast;
 
 namespace {
 
-using py::builtin_exception;
-PYBIND11_RUNTIME_EXCEPTION(core_error, PyExc_RuntimeError)
+// Errors leave this module as a Python error set right here, raised through
+// pybind11's error_already_set, which its dispatcher restores before any
+// exception translator runs. On the GPU image (torch 2.11, Python 3.12) a
+// c10::Error handed on to the translators crashed the process instead of
+// raising (see the closing notes of the core issue).
+[[noreturn]] void raise_as(PyObject* type, const char* message) {
+  py::gil_scoped_acquire gil;  // reentrant where the GIL is held already
+  PyErr_SetString(type, message);
+  throw py::error_already_set();
+}
 
-// Errors leave this module as pybind11's own exception types, which this
-// module's dispatcher turns into Python errors itself: on the GPU image (torch
-// 2.11, Python 3.12) a c10::Error passed on to torch's translator crashed the
-// process instead of raising (see the closing notes of the core issue).
 template <typename F>
 decltype(auto) guarded(F&& f) {
   try {
     return f();
   } catch (const c10::ValueError& e) {
-    throw py::value_error(e.what_without_backtrace());
+    raise_as(PyExc_ValueError, e.what_without_backtrace());
   } catch (const c10::TypeError& e) {
-    throw py::type_error(e.what_without_backtrace());
+    raise_as(PyExc_TypeError, e.what_without_backtrace());
   } catch (const c10::Error& e) {
-    throw core_error(e.what_without_backtrace());
+    raise_as(PyExc_RuntimeError, e.what_without_backtrace());
   }
 }
 
