@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import coalesced_bcast  # noqa: E402
+from coalesced_bcast.bits import as_int  # noqa: E402
 from shapes import llama8b_shapes, small_shapes  # noqa: E402
 
 GiB, MiB = 2**30, 2**20
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -90,14 +90,8 @@ def build(spec: list, device: torch.device) -> list[torch.Tensor]:
     return out
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements as same-size integers: random draws and comparisons are bitwise."""
-    t = torch.view_as_real(t) if t.is_complex() else t
-    return t.view(_INT[t.element_size()])
-
-
 def _draw(t: torch.Tensor, g: torch.Generator) -> None:
-    _bits(t).random_(0, 2, generator=g) if t.dtype == torch.bool else _bits(t).random_(generator=g)
+    as_int(t).random_(0, 2, generator=g) if t.dtype == torch.bool else as_int(t).random_(generator=g)
 
 
 def fill(tensors: list[torch.Tensor], seed: int, poison: bool) -> None:
@@ -105,7 +99,7 @@ def fill(tensors: list[torch.Tensor], seed: int, poison: bool) -> None:
     g = torch.Generator(device=tensors[0].device).manual_seed(seed)
     for t in {id(t): t for t in tensors}.values():  # a tied tensor gets one draw
         if poison:
-            _bits(t).fill_(-1 if t.element_size() > 1 else 1)
+            as_int(t).fill_(-1 if t.element_size() > 1 else 1)
         else:
             _draw(t, g)
 
@@ -117,7 +111,7 @@ def check(tensors: list[torch.Tensor], seed: int) -> bool:
     for t in {id(t): t for t in tensors}.values():
         expected = torch.empty_like(t)
         _draw(expected, g)
-        ok &= torch.equal(_bits(t), _bits(expected))
+        ok &= torch.equal(as_int(t), as_int(expected))
     return bool(ok)
 
 

@@ -3,18 +3,12 @@ from __future__ import annotations
 
 import torch
 
+from coalesced_bcast.bits import as_int as bits  # equality of these is bitwise: NaN payloads, -0.0 and all
+
 DTYPES = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
     torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 ]
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The same elements viewed as integers: equality is bitwise (NaN payloads, -0.0 and all)."""
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    return t.view(_INT_OF_SIZE[t.element_size()])
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .bits import as_int
 from .sync import DEFAULT_BUCKET_BYTES, DEFAULT_RING_DEPTH, _group_src, _resolve_group
 
 logger = logging.getLogger(__name__)
@@ -646,7 +647,7 @@ def _copy_out(slot: torch.Tensor, pieces: list) -> None:
     # Same-dtype pieces are copied as integers: CUDA's _foreach_copy_ computes in float for bf16/fp16
     # and turns every NaN payload into 0x7FFF (seen on H200, torch 2.11), which is not bitwise.
     # Casts go one by one through copy_, exactly as load_state_dict casts.
-    same = [(_as_int(d), _as_int(s)) for d, s in zip(dsts, srcs) if d.dtype == s.dtype]
+    same = [(as_int(d), as_int(s)) for d, s in zip(dsts, srcs) if d.dtype == s.dtype]
     if len(same) > 1:
         torch._foreach_copy_([d for d, _ in same], [s for _, s in same])
     else:
@@ -656,15 +657,6 @@ def _copy_out(slot: torch.Tensor, pieces: list) -> None:
         if d.dtype != s.dtype:
             d.copy_(s)
 
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _as_int(t: torch.Tensor) -> torch.Tensor:
-    """The same elements as same-size integers (any strides): copies of these move bits, not values."""
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    return t.view(_INT_OF_SIZE[t.element_size()])
 
 
 def _pack_tasks(buf: torch.Tensor, pieces: list) -> list:
