@@ -6,6 +6,8 @@ import glob
 import importlib.util
 import os
 import shutil
+import subprocess
+import tempfile
 
 from setuptools import find_packages, setup
 import torch
@@ -31,7 +33,52 @@ def wheel_include(package):
     return [p for p in (os.path.join(d, "include") for d in spec.submodule_search_locations) if os.path.isdir(p)]
 
 
+_PROBE = "#include <sstream>\n#include <string>\nstd::string f(long x) { std::ostringstream s; s << x; return s.str(); }\n"
+
+
+def links_libstdcxx_statically(compiler):
+    """True when a shared object linked by `compiler` carries its own copy of libstdc++'s code.
+
+    Links a one-function probe and looks for std::ostream::_M_insert<long>, which a plain g++ leaves
+    to libstdc++.so.6. Such a copy built for another libstdc++ crashes against the one torch loads.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        src, lib = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
+        with open(src, "w") as f:
+            f.write(_PROBE)
+        try:
+            subprocess.run([compiler, "-shared", "-fPIC", "-O1", src, "-o", lib], check=True, capture_output=True,
+                           timeout=120)
+            symbols = subprocess.run(["nm", "-C", "--defined-only", lib], check=True, capture_output=True, text=True,
+                                     timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            return False
+    return "_M_insert<long>" in symbols
+
+
+def pick_host_compiler():
+    """Build with the system's g++ when CXX names one that links libstdc++ code into the extension.
+
+    The GPU image (torch 2.11, Ubuntu 24.04) sets CC/CXX to /opt/gcc (Red Hat gcc 13.3.1), which puts
+    libstdc++ code into the extension; run against Ubuntu's libstdc++.so.6 it crashed the process at
+    the first `std::ostream << long` (every TORCH_CHECK message with a number: every error a SIGSEGV).
+    COALESCED_BCAST_KEEP_CXX=1 keeps CC/CXX as they are.
+    """
+    cxx = os.environ.get("CXX")
+    if not cxx or os.environ.get("COALESCED_BCAST_KEEP_CXX") == "1" or not links_libstdcxx_statically(cxx):
+        return
+    system_cxx, system_cc = shutil.which("g++", path="/usr/bin"), shutil.which("gcc", path="/usr/bin")
+    if system_cxx is None or system_cc is None or links_libstdcxx_statically(system_cxx):
+        print(f"coalesced_bcast: warning: {cxx} links parts of libstdc++ statically and no other g++ was found; "
+              "the extension may crash when it formats an error message")
+        return
+    print(f"coalesced_bcast: building with {system_cxx} instead of CXX={cxx}, which links libstdc++ code into "
+          "the extension (it crashes against the libstdc++.so.6 that torch loads)")
+    os.environ["CXX"], os.environ["CC"] = system_cxx, system_cc
+
+
 def extension():
+    pick_host_compiler()
     cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cuda_home = find_cuda_home() if torch.version.cuda and os.environ.get("COALESCED_BCAST_CPU_ONLY") != "1" else None
     cxx = ["-O3"]

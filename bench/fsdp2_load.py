@@ -364,8 +364,10 @@ def main() -> None:
     p.add_argument("--dcp-reps", type=int, default=2)
     p.add_argument("--dcp-small-reps", type=int, default=1)
     p.add_argument("--slow-s", type=float, default=8.0, help="a run slower than this is not repeated")
-    p.add_argument("--extra-buckets", default="64", help="MiB; extra coalesced_bcast rows with these bucket sizes")
-    p.add_argument("--extra-threads", default="4,16", help="extra coalesced_bcast rows (pageable) with these copy_threads")
+    # Sweeps measured once on 2x H200 (fsdp2_h200.jsonl): 64 MiB buckets no faster, 4 or 16 copy
+    # threads slower than the default 8; off by default so the whole run fits one device call.
+    p.add_argument("--extra-buckets", default="", help="MiB, comma-separated; extra coalesced_bcast rows with these bucket sizes")
+    p.add_argument("--extra-threads", default="", help="extra coalesced_bcast rows (pageable) with these copy_threads")
     p.add_argument("--debug-modes", default="",
                    help="extra coalesced_bcast rows with these state_dict._DEBUG switches (empty: none)")
     p.add_argument("--layers", type=int, default=32)

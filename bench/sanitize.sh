@@ -30,14 +30,19 @@ export NCCL_NVLS_ENABLE=0
 # memcheck sees; inside one cached segment it would not.
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 "$CS" --version | head -n 2
-has_filter=0
+has_filter=0 has_api=0
 "$CS" --help 2>&1 | grep -q -- "--kernel-name" && has_filter=1
+"$CS" --help 2>&1 | grep -q -- "--report-api-errors" && has_api=1
 
 run_tool() {  # run_tool TOOL -> writes $LOGS/TOOL.log, $LOGS/TOOL.rc
   local tool=$1 kernels=${SANITIZE_KERNELS:-}
   [ -n "$kernels" ] || { [ "$tool" = memcheck ] && kernels=all || kernels=ours; }
   local filter=()
   [ "$kernels" = ours ] && [ $has_filter = 1 ] && filter=(--kernel-name kns=coalesced_bcast)
+  # NCCL's communicator set-up asks for attributes of kernels it has no sm_90 image for and gets
+  # cudaErrorNoKernelImageForDevice, which it expects (21 such reports on 2x H200, NCCL 2.28.9, all
+  # from ncclInitKernelsForDevice): not errors of this code. Device-side checks are unaffected.
+  [ $has_api = 1 ] && filter+=(--report-api-errors no)
   echo "$kernels" > "$LOGS/$tool.kernels"
   rm -f "$LOGS/$tool.jsonl"
   timeout "${SANITIZE_TIMEOUT:-330}" "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 --no-python \
@@ -58,7 +63,7 @@ for tool in $tools; do
   errors=$(grep -oE "ERROR SUMMARY: [0-9]+ error" "$log" | awk '{s += $3} END {print s + 0}')
   races=$(grep -oE "RACECHECK SUMMARY: .*\(([0-9]+) error" "$log" | grep -oE "\(([0-9]+)" | tr -d '(' \
           | awk '{s += $1} END {print s + 0}')
-  summaries=$(grep -c "ERROR SUMMARY" "$log")
+  summaries=$(grep -cE "(ERROR|RACECHECK) SUMMARY" "$log")  # racecheck prints only the latter
   workload=$(grep -c '"ok": true' "$LOGS/$tool.jsonl" 2>/dev/null)
   kernels=$(cat "$LOGS/$tool.kernels")
   where=$(grep -E "^=+ +at " "$log" | sed -E 's/^=+ +at +//' | cut -c1-100 | sort | uniq -c | sort -rn | head -n 3 \

@@ -341,3 +341,36 @@ def test_rank_dead_before_the_call_three_ranks(tmp_path):
     run_ranks(3, _died_before_call_body, str(tmp_path), timeout=60)
     for rank, r in _results(tmp_path, "died_before_call", [0, 2]).items():
         assert r["type"] == "CollectiveError" and r["seconds"] < 3 + SLACK_S, (rank, r)
+
+
+class _Event:
+    """Stands in for a torch.cuda.Event: done after `after` queries (never when None)."""
+
+    def __init__(self, after):
+        self.after, self.queries = after, 0
+
+    def query(self):
+        self.queries += 1
+        return self.after is not None and self.queries > self.after
+
+
+def _host_wait_body(rank, world_size):
+    # The host-side deadline that replaces NCCL's process teardown (agree.wait_event): an event that
+    # never completes raises CollectiveError once the deadline passes, one that completes returns.
+    pg = dist.group.WORLD
+    t0 = time.monotonic()
+    done = _Event(after=50)
+    agree.wait_event(done, "the test collective", pg, timedelta(seconds=5), t0)
+    assert done.queries == 51
+    t0 = time.monotonic()
+    with pytest.raises(agree.CollectiveError, match=r"the test collective over 1 ranks did not finish on rank 0 "
+                                                   r"within 0\.3 s"):
+        agree.wait_event(_Event(after=None), "the test collective", pg, timedelta(seconds=0.3), t0)
+    assert 0.3 <= time.monotonic() - t0 < 5
+    # a CPU tensor needs no wait
+    t = torch.arange(3)
+    assert agree.to_host(t, "x", pg, None, time.monotonic()) is t
+
+
+def test_host_wait_has_a_deadline():
+    run_ranks(1, _host_wait_body, timeout=60)

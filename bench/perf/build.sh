@@ -16,6 +16,18 @@ if [ -n "${CUDA_HOME:-}" ]; then
   export CUDAToolkit_ROOT="${CUDAToolkit_ROOT:-$CUDA_HOME}"
 fi
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+# A compiler that copies libstdc++'s code into what it links (CXX=/opt/gcc/bin/g++ on the GPU image)
+# crashes against the libstdc++.so.6 torch loads: the same probe and choice as setup.py's pick_host_compiler.
+if [ -n "${CXX:-}" ] && [ "${COALESCED_BCAST_KEEP_CXX:-0}" != 1 ] && [ -x /usr/bin/g++ ]; then
+  probe=$(mktemp -d)
+  printf '#include <sstream>\n#include <string>\nstd::string f(long x) { std::ostringstream s; s << x; return s.str(); }\n' > "$probe/p.cpp"
+  if "$CXX" -shared -fPIC -O1 "$probe/p.cpp" -o "$probe/p.so" 2>/dev/null \
+     && nm -C --defined-only "$probe/p.so" | grep -q "_M_insert<long>"; then
+    echo "building with /usr/bin/g++ instead of CXX=$CXX (it links libstdc++ code in)"
+    export CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++
+  fi
+  rm -rf "$probe"
+fi
 
 GEN=()
 if command -v ninja >/dev/null 2>&1; then

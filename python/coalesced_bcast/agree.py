@@ -9,9 +9,12 @@ Timeouts: gloo honours a per-call deadline (the collective's options) and raises
 collective becomes a CollectiveError here. NCCL takes every collective's deadline from its group's
 options (ProcessGroupNCCL::assignTimeoutToWork) and ignores the call's, so :func:`group_timeout`
 sets the NCCL group's default timeout for the length of a call (collectives other threads start on
-the same group meanwhile get it too). When an NCCL deadline passes, torch's watchdog stops the
-process (TORCH_NCCL_ASYNC_ERROR_HANDLING, default 3) with a "Watchdog caught collective operation
-timeout" message: sync ops return before the GPU finishes, so there is no call left to raise in.
+the same group meanwhile get it too). NCCL collectives return before the GPU finishes them, and when
+a deadline passes torch's watchdog ends the process (TORCH_NCCL_ASYNC_ERROR_HANDLING, default 3), but
+only after waiting for debug dumps (TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC, 60 s by default) and with no
+Python error. So wherever the host needs a result (the agreement's table, and with an explicit
+`timeout` the end of the transfer) it polls a CUDA event against the same deadline and raises
+CollectiveError itself, on time; the watchdog still ends the process afterwards.
 """
 from __future__ import annotations
 
@@ -85,6 +88,45 @@ def group_timeout(pg: dist.ProcessGroup, timeout: Optional[float | timedelta]) -
         yield
     finally:
         backend._set_default_timeout(old)
+
+
+def _deadline(pg: dist.ProcessGroup, timeout: Optional[timedelta]) -> timedelta:
+    if timeout is not None:
+        return timeout
+    backend = _nccl_backend(pg)
+    try:
+        return backend.options._timeout
+    except AttributeError:  # no NCCL backend, or a torch without the knob: NCCL's default
+        return timedelta(minutes=10)
+
+
+def wait_event(done: torch.cuda.Event, what: str, pg: dist.ProcessGroup, timeout: Optional[timedelta],
+               t0: float) -> None:
+    """Wait on the host until `done` has happened on the device, or raise CollectiveError once the
+    deadline (`timeout`, else the group's) counted from `t0` (time.monotonic()) has passed."""
+    limit = _deadline(pg, timeout).total_seconds()
+    spin_until = time.monotonic() + 0.002  # a healthy collective finishes within microseconds: spin first
+    while not done.query():
+        now = time.monotonic()
+        if now - t0 > limit:
+            raise CollectiveError(
+                f"coalesced_bcast: {what} over {pg.size()} ranks did not finish on rank {dist.get_rank()} within "
+                f"{limit:g} s: a rank died, did not call the sync in time, or called another collective. The "
+                f"group is unusable now (torch's NCCL watchdog will end this process).")
+        if now > spin_until:
+            time.sleep(0.0002)
+
+
+def to_host(t: torch.Tensor, what: str, pg: dist.ProcessGroup, timeout: Optional[timedelta], t0: float) -> torch.Tensor:
+    """t on the CPU; for a CUDA tensor, copied on the current stream and waited for with a deadline."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    wait_event(done, what, pg, timeout, t0)
+    return host
 
 
 def _run(name: str, pg: dist.ProcessGroup, timeout: Optional[timedelta], start) -> None:
@@ -178,9 +220,11 @@ def _record(status: int, fp_len: int, fp_hash: int, src: int, message: str) -> t
 
 
 def _gather(rec: torch.Tensor, pg: dist.ProcessGroup, device: torch.device, timeout: Optional[timedelta]) -> torch.Tensor:
-    out = [torch.empty_like(rec, device=device) for _ in range(pg.size())]
-    all_gather(out, rec.to(device), pg, timeout, what="the agreement all_gather")
-    return torch.stack(out).cpu()
+    t0 = time.monotonic()
+    table = torch.empty((pg.size(), rec.numel()), dtype=rec.dtype, device=device)
+    out = list(table.unbind(0))
+    all_gather(out, rec.to(device, non_blocking=True), pg, timeout, what="the agreement all_gather")
+    return to_host(table, "the agreement all_gather", pg, timeout, t0)
 
 
 def _message(row: torch.Tensor) -> str:
@@ -285,8 +329,10 @@ def _check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup
         return
     src_fp = fp.clone() if pg.rank() == src else torch.empty(src_len, dtype=torch.int64)
     src_fp = src_fp.to(cdev)
-    broadcast(src_fp, src, pg, timeout, what="the agreement's fingerprint broadcast")
-    src_fp = src_fp.cpu()
+    t0 = time.monotonic()
+    what = "the agreement's fingerprint broadcast"
+    broadcast(src_fp, src, pg, timeout, what=what)
+    src_fp = to_host(src_fp, what, pg, timeout, t0)
     mine = "" if torch.equal(src_fp, fp) else first_difference(src_fp, fp, names, rank)
     table = _gather(_record(_OK, 0, 0, src_global, mine), pg, cdev, timeout)
     for r in range(pg.size()):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _C
-from .agree import check_agreement, group_timeout, payload_broadcast
+from .agree import as_timedelta, check_agreement, group_timeout, payload_broadcast, wait_event
 from .verify import verify_plan
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,10 @@ def broadcast_tensors(
         coalesce_bytes: in-place broadcasts are grouped into one NCCL group up to this many bytes
             (0: one at a time).
         timeout: seconds (or a timedelta) for each collective, the agreement's too; default: the group's
-            timeout. On NCCL it becomes the group's timeout for the length of the call.
+            timeout. On NCCL it becomes the group's timeout for the length of the call, and the call also
+            waits on the host for its transfer to finish, so that a rank that stalls raises
+            CollectiveError here within ``timeout`` (without it, the call returns once the transfer
+            is queued and a stall is left to torch's NCCL watchdog).
         verify: after the sync, hash every tensor on every rank and compare (one 32-byte all_reduce);
             raise VerifyError on every rank, naming the first differing tensor, if any rank differs.
 
@@ -129,8 +132,14 @@ def broadcast_tensors(
     with group_timeout(pg, timeout):
         check_agreement(plan, error, pg, src_group, names, timeout=timeout,
                         device=tensors[0].device if tensors and error is None else None)
-        t_agreed = time.perf_counter()
+        t_agreed, t_sent = time.perf_counter(), time.monotonic()
         enqueue_seconds, ring_bytes = payload_broadcast(plan, pg, src_group, timeout)
+        if timeout is not None and tensors and tensors[0].device.type == "cuda":
+            # The transfer is queued, not done: wait for it, so that a source that stalls after the
+            # agreement is an error here within `timeout` rather than a stuck stream.
+            done = torch.cuda.Event()
+            done.record()
+            wait_event(done, "the payload broadcast", pg, as_timedelta(timeout), t_sent)
         if verify:
             verify_plan(plan, tensors, names, pg, src_group, timeout)
     stats = SyncStats(

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .agree import all_gather, all_reduce_max, as_timedelta, control_device
+from .agree import all_gather, all_reduce_max, as_timedelta, control_device, to_host
 
 
 class VerifyError(RuntimeError):
@@ -59,8 +59,9 @@ def _verify(tensors: Sequence[torch.Tensor], label: Callable[[int], str], nbytes
     n = len(tensors)
     head = torch.cat([hashes[n:], torch.tensor([n], dtype=torch.int64, device=hashes.device)])
     head = torch.cat([head, ~head]).to(cdev)
+    t_sent = time.monotonic()
     all_reduce_max(head, pg, timeout, what="the verify all_reduce")
-    hi_digest, hi_n, not_lo_digest, not_lo_n = head.tolist()
+    hi_digest, hi_n, not_lo_digest, not_lo_n = to_host(head, "the verify all_reduce", pg, timeout, t_sent).tolist()
     ranks = dist.get_process_group_ranks(pg)
     if hi_n != ~not_lo_n:  # every rank got here, so every rank raises this
         raise VerifyError(f"coalesced_bcast verify: the ranks passed between {~not_lo_n} and {hi_n} tensors "
