@@ -12,6 +12,8 @@
 #   SANITIZE_KERNELS all | ours (default: memcheck checks every kernel, NCCL's and torch's too;
 #                    racecheck and synccheck only ours, kernels named coalesced_bcast::*)
 #   SANITIZE_TIMEOUT seconds per tool (default 330)
+#   SANITIZE_TESTS   1 (default): also run the GPU bitwise test (pytest, its spawned ranks included)
+#                    under memcheck
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -51,8 +53,18 @@ run_tool() {  # run_tool TOOL -> writes $LOGS/TOOL.log, $LOGS/TOOL.rc
   echo $? > "$LOGS/$tool.rc"
 }
 
+run_tests() {  # the GPU tests' bitwise/stream-order test under memcheck, child processes included
+  local filter=()
+  [ $has_api = 1 ] && filter+=(--report-api-errors no)
+  timeout "${SANITIZE_TIMEOUT:-330}" "$CS" --tool memcheck --target-processes all --error-exitcode 97 \
+    --print-limit 50 "${filter[@]}" "$PY" -m pytest -q -x tests/test_gpu_nccl.py -k bitwise \
+    > "$LOGS/memcheck-tests.log" 2>&1
+  echo $? > "$LOGS/memcheck-tests.rc"
+}
+
 tools=${SANITIZE_TOOLS:-memcheck racecheck synccheck}
 for tool in $tools; do run_tool "$tool" & done
+[ "${SANITIZE_TESTS:-1}" = 1 ] && run_tests &
 wait
 
 status=0
@@ -77,4 +89,11 @@ for tool in $tools; do
   echo "sanitize $tool: $verdict (rc $rc, $errors errors, $races race errors, $summaries rank summaries," \
        "workload bitwise ok on ${workload:-0}/2 ranks, kernels checked: $kernels${where:+, first hits: $where}) log: $log"
 done
+if [ "${SANITIZE_TESTS:-1}" = 1 ]; then
+  log=$LOGS/memcheck-tests.log rc=$(cat "$LOGS/memcheck-tests.rc")
+  errors=$(grep -oE "ERROR SUMMARY: [0-9]+ error" "$log" | awk '{s += $3} END {print s + 0}')
+  passed=$(grep -cE "^[0-9]+ passed" "$log")
+  if [ "$rc" = 0 ] && [ "$errors" = 0 ] && [ "$passed" = 1 ]; then verdict=OK; else verdict=FAIL; status=1; fi
+  echo "sanitize memcheck over tests/test_gpu_nccl.py -k bitwise: $verdict (rc $rc, $errors errors) log: $log"
+fi
 exit $status

@@ -105,7 +105,9 @@ def wait_event(done: torch.cuda.Event, what: str, pg: dist.ProcessGroup, timeout
     """Wait on the host until `done` has happened on the device, or raise CollectiveError once the
     deadline (`timeout`, else the group's) counted from `t0` (time.monotonic()) has passed."""
     limit = _deadline(pg, timeout).total_seconds()
-    spin_until = time.monotonic() + 0.002  # a healthy collective finishes within microseconds: spin first
+    # Yield-spin like CUDA's own default wait for the first 50 ms (the usual wait is another rank's
+    # host arriving, well under that, and FSDP1 waits once per unit), then poll every millisecond.
+    spin_until = time.monotonic() + 0.05
     while not done.query():
         now = time.monotonic()
         if now - t0 > limit:
@@ -113,8 +115,7 @@ def wait_event(done: torch.cuda.Event, what: str, pg: dist.ProcessGroup, timeout
                 f"coalesced_bcast: {what} over {pg.size()} ranks did not finish on rank {dist.get_rank()} within "
                 f"{limit:g} s: a rank died, did not call the sync in time, or called another collective. The "
                 f"group is unusable now (torch's NCCL watchdog will end this process).")
-        if now > spin_until:
-            time.sleep(0.0002)
+        time.sleep(0 if now < spin_until else 0.001)
 
 
 def to_host(t: torch.Tensor, what: str, pg: dist.ProcessGroup, timeout: Optional[timedelta], t0: float) -> torch.Tensor:
