@@ -11,30 +11,6 @@ using namespace coalesced_bcast;
 
 namespace {
 
-// Errors leave this module as a Python error set right here, raised through
-// pybind11's error_already_set, which its dispatcher restores before any
-// exception translator runs. On the GPU image (torch 2.11, Python 3.12) a
-// c10::Error handed on to the translators crashed the process instead of
-// raising (see the closing notes of the core issue).
-[[noreturn]] void raise_as(PyObject* type, const char* message) {
-  py::gil_scoped_acquire gil;  // reentrant where the GIL is held already
-  PyErr_SetString(type, message);
-  throw py::error_already_set();
-}
-
-template <typename F>
-decltype(auto) guarded(F&& f) {
-  try {
-    return f();
-  } catch (const c10::ValueError& e) {
-    raise_as(PyExc_ValueError, e.what_without_backtrace());
-  } catch (const c10::TypeError& e) {
-    raise_as(PyExc_TypeError, e.what_without_backtrace());
-  } catch (const c10::Error& e) {
-    raise_as(PyExc_RuntimeError, e.what_without_backtrace());
-  }
-}
-
 Plan build_plan(
     const std::vector<at::Tensor>& tensors,
     const std::vector<std::string>& names,
@@ -49,7 +25,7 @@ Plan build_plan(
   o.inplace_min_bytes = inplace_min_bytes;
   o.coalesce_bytes = coalesce_bytes;
   o.rank = rank;
-  return guarded([&] { return make_plan(tensors, names, o); });
+  return make_plan(tensors, names, o);
 }
 
 // Per bucket: (unique index, tensor offset, bucket offset, bytes, strided).
@@ -77,11 +53,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       false
 #endif
   );
-  m.def("hash_words", [](const at::Tensor& w) { return guarded([&] { return hash_words(w); }); }, py::arg("words"));
+  m.def("hash_words", &hash_words, py::arg("words"));
   m.def("dtype_name", [](int64_t code) { return std::string(c10::toString(static_cast<c10::ScalarType>(code))); });
   m.attr("fingerprint_header") = kFingerprintHeader;
   m.attr("fingerprint_record") = kFingerprintRecord;
-  m.def("hash_tensors", [](const std::vector<at::Tensor>& t) { return guarded([&] { return hash_tensors(t); }); },
+  m.def("hash_tensors", &hash_tensors,
         py::arg("tensors"), py::call_guard<py::gil_scoped_release>(),
         "Per tensor a 64-bit hash of its bytes in logical order, then their digest (int64, on the tensors' device)");
   m.def("_check_corrupted_table", &check_corrupted_table, py::arg("plan"), py::arg("what"),
@@ -116,7 +92,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t src, double timeout_s) {
             auto timeout = timeout_s > 0 ? std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000))
                                          : c10d::kUnsetTimeout;
-            auto stats = guarded([&] { return broadcast_plan(plan, pg, src, timeout); });
+            auto stats = broadcast_plan(plan, pg, src, timeout);
             return std::make_pair(stats.seconds, stats.ring_bytes);
           },
           py::arg("group"), py::arg("src"), py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>());
