@@ -96,14 +96,16 @@ def extension():
         extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]})
 
 
-setup(
-    name="coalesced_bcast",
-    version="0.1.0",
-    description="Broadcast a model's parameters and buffers from one rank with bounded memory",
-    package_dir={"": "python"},
-    packages=find_packages("python"),
-    ext_modules=[extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
-    python_requires=">=3.9",
-    install_requires=["torch>=2.8"],
-)
+
+if __name__ == "__main__":  # tests import the helpers above (runpy) without building
+    setup(
+        name="coalesced_bcast",
+        version="0.1.0",
+        description="Broadcast a model's parameters and buffers from one rank with bounded memory",
+        package_dir={"": "python"},
+        packages=find_packages("python"),
+        ext_modules=[extension()],
+        cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
+        python_requires=">=3.9",
+        install_requires=["torch>=2.8"],
+    )
