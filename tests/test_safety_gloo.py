@@ -374,3 +374,22 @@ def _host_wait_body(rank, world_size):
 
 def test_host_wait_has_a_deadline():
     run_ranks(1, _host_wait_body, timeout=60)
+
+
+def _gc_body(rank, world_size):
+    # Both entry points pause Python's cyclic GC while they run and put the caller's setting back.
+    import gc
+
+    model = nn.Linear(4, 4)
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            coalesced_bcast.sync_module(model, 0)
+            coalesced_bcast.load_full_state_dict(model, model.state_dict(), 0)
+            assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
+
+
+def test_gc_setting_restored():
+    run_ranks(1, _gc_body, timeout=60)

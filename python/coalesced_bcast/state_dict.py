@@ -32,7 +32,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .bits import as_int
-from .sync import DEFAULT_BUCKET_BYTES, DEFAULT_RING_DEPTH, _group_src, _resolve_group
+from .sync import DEFAULT_BUCKET_BYTES, DEFAULT_RING_DEPTH, _group_src, _resolve_group, gc_paused
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ class _Unit:
     pinned: bool = False
 
 
+@gc_paused
 def load_full_state_dict(
     model: nn.Module,
     sd: Optional[Mapping[str, Any]],
@@ -379,6 +380,7 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
     if strict and plan.unexpected:
         plan.errors.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.unexpected) + ".")
     owned = _owned_tensors(model)
+    layouts: dict = {}  # per (mesh, placements): what _dtensor_box needs, looked up once
     units: dict[int, _Unit] = {}
     load_keys = []
     for k, v in model_sd.items():
@@ -408,7 +410,7 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
             plan.errors.append(f"size mismatch for {k}: copying a param with shape {torch.Size(shape)} from "
                                f"checkpoint, the shape in current model is {v.shape}.")
             continue
-        dest = _make_dest(k, v, shape, rank, plan.errors)
+        dest = _make_dest(k, v, shape, rank, plan.errors, layouts)
         if v.dtype != dtype:
             plan.cast_keys += 1
         unit = units.get(canon)
@@ -440,9 +442,10 @@ def _owned_tensors(model: nn.Module) -> set[int]:
     return owned
 
 
-def _make_dest(key: str, v: torch.Tensor, shape: tuple[int, ...], rank: int, errors: list[str]) -> Optional[_Dest]:
+def _make_dest(key: str, v: torch.Tensor, shape: tuple[int, ...], rank: int, errors: list[str],
+               layouts: dict) -> Optional[_Dest]:
     if isinstance(v, DTensor):
-        box = _dtensor_box(key, v, shape, rank, errors)
+        box = _dtensor_box(key, v, shape, rank, errors, layouts)
         if box is None:
             return None
         lo, hi = box
@@ -460,33 +463,41 @@ def _make_dest(key: str, v: torch.Tensor, shape: tuple[int, ...], rank: int, err
     return _Dest(local=local, lo=tuple(lo), hi=tuple(hi), flat=flat, f0=f0, f1=f1)
 
 
-def _dtensor_box(key: str, v: DTensor, shape: tuple[int, ...], rank: int,
-                 errors: list[str]) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """The global box [lo, hi) this rank's local tensor holds; None when it holds nothing."""
-    for p in v.placements:
-        if type(p) is not Shard and type(p) is not Replicate:
-            errors.append(f'"{key}": placement {p} is not supported (only Shard(dim) and Replicate)')
-            return None
-    mesh = v.device_mesh
-    coord = mesh.get_coordinate()
+def _dtensor_box(key: str, v: DTensor, shape: tuple[int, ...], rank: int, errors: list[str],
+                 layouts: dict) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The global box [lo, hi) this rank's local tensor holds; None when it holds nothing.
+
+    ``layouts`` memoizes per (mesh, placements) the checks and mesh lookups, the same for every
+    tensor of an FSDP2 model: at 16k tensors they cost more than the boxes themselves."""
+    mesh, placements = v.device_mesh, v.placements
+    layout = layouts.get((id(mesh), placements))
+    if layout is None:
+        bad = [p for p in placements if type(p) is not Shard and type(p) is not Replicate]
+        layout = (f"placement {bad[0]} is not supported (only Shard(dim) and Replicate)" if bad else None,
+                  mesh.get_coordinate(), mesh.ndim, mesh.size(0) if mesh.ndim == 1 else 0)
+        layouts[(id(mesh), placements)] = layout
+    problem, coord, ndim, mesh_size = layout
+    if problem is not None:
+        errors.append(f'"{key}": {problem}')
+        return None
     if coord is None:
         return None
     lo, hi = [0] * len(shape), list(shape)
-    if mesh.ndim == 1:
-        p = v.placements[0]
+    if ndim == 1:
+        p = placements[0]
         if type(p) is Shard:  # torch.chunk's split, as DTensor's Shard uses: ceil-sized chunks, empty tails
             d, n = p.dim % len(shape), shape[p.dim % len(shape)]
-            chunk = -(-n // mesh.size(0))
+            chunk = -(-n // mesh_size)
             lo[d] = min(coord[0] * chunk, n)
             hi[d] = min(lo[d] + chunk, n)
     else:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        lshape, off = compute_local_shape_and_global_offset(torch.Size(shape), mesh, v.placements)
+        lshape, off = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
         lo, hi = list(off), [o + s for o, s in zip(off, lshape)]
     local_shape = tuple(h - l for l, h in zip(lo, hi))
     if local_shape != tuple(v._local_tensor.shape):
         errors.append(f'"{key}": rank {rank} holds a local shard of shape {tuple(v._local_tensor.shape)}, but its '
-                      f'placements {v.placements} on a mesh of shape {tuple(mesh.shape)} give {local_shape}')
+                      f'placements {placements} on a mesh of shape {tuple(mesh.shape)} give {local_shape}')
         return None
     return tuple(lo), tuple(hi)
 

@@ -1,6 +1,8 @@
 """broadcast_tensors and sync_module: plan locally, agree across ranks, then broadcast through the C++ core."""
 from __future__ import annotations
 
+import functools
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -69,6 +71,27 @@ def _check_types(tensors: list, names: list, rank: int) -> None:
             raise TypeError(f"tensor {i}{label} on rank {rank} is a {type(t).__name__}, not a torch.Tensor")
 
 
+def gc_paused(fn):
+    """Run ``fn`` with Python's cyclic garbage collector paused, and restored afterwards.
+
+    A call over many tensors allocates enough small objects to trigger collections, and each one
+    walks every object the process tracks (the model's parameters among them): on the CPU machine
+    they were half the time of a 16k-tensor load_full_state_dict (1.8 -> 0.9 s) and a quarter of
+    broadcast_tensors' planning. What the call frees is freed by reference counting anyway.
+    """
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+    return paused
+
+
+@gc_paused
 def broadcast_tensors(
     tensors: Iterable[torch.Tensor],
     src: int = 0,
