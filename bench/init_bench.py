@@ -227,6 +227,9 @@ def measure(ctx: Ctx, wrap: Callable[[], nn.Module], probe_site: tuple[str, str]
             coalesced_bcast.uninstall()
     row = dict(seconds=round(seconds, 4), sync_seconds=round(probe.sync_seconds, 4), sync_calls=probe.calls,
                cb_calls=len(calls), ring_MiB=round(max((c.stats.ring_bytes for c in calls), default=0) / 2**20, 2))
+    if calls:  # where our syncs' host time went, summed over the calls (the agreement includes waiting for peers)
+        for part in ("plan", "agree", "enqueue"):
+            row[f"cb_{part}_seconds"] = round(sum(getattr(c.stats, f"{part}_seconds") for c in calls), 4)
     if ctx.cuda:
         row.update(base_alloc_GiB=gib(base), peak_alloc_GiB=gib(probe.peak_alloc),
                    peak_reserved_GiB=gib(probe.peak_reserved), extra_alloc_GiB=gib(probe.peak_alloc - base),
