@@ -25,6 +25,8 @@ import coalesced_bcast  # noqa: E402
 from coalesced_bcast.bits import as_int  # noqa: E402
 from shapes import llama8b_shapes, small_shapes  # noqa: E402
 
+import dist_setup  # noqa: E402  (beside this script)
+
 GiB, MiB = 2**30, 2**20
 
 
@@ -255,15 +257,8 @@ def main():
     ap.add_argument("--out", default=None, help="results folder (default: bench/results, or bench/results/cpu)")
     args = ap.parse_args()
 
-    on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", 1))
-    if on_gpu:
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-        device = torch.device("cuda", local)
-    else:
-        dist.init_process_group("gloo")
-        device = torch.device("cpu")
+    device = dist_setup.init()
+    on_gpu = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
     here = os.path.dirname(os.path.abspath(__file__))
     out = args.out or os.path.join(here, "results" if on_gpu else os.path.join("results", "cpu"))

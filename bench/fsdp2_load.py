@@ -37,6 +37,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 import coalesced_bcast
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama import Block, Model  # noqa: E402
+import dist_setup  # noqa: E402
 
 GiB = 2**30
 DTYPE = torch.bfloat16
@@ -169,15 +170,8 @@ def build(kind: str, args, device: torch.device, mesh) -> nn.Module:
 class Bench:
     def __init__(self, args) -> None:
         self.args = args
-        self.cpu = args.cpu
-        if self.cpu:
-            dist.init_process_group("gloo")
-            self.device = torch.device("cpu")
-        else:
-            local = int(os.environ["LOCAL_RANK"])
-            torch.cuda.set_device(local)
-            self.device = torch.device("cuda", local)
-            dist.init_process_group("nccl", device_id=self.device)
+        self.device = dist_setup.init(cpu=args.cpu)
+        self.cpu = self.device.type == "cpu"
         self.rank, self.ws = dist.get_rank(), dist.get_world_size()
         self.mesh = init_device_mesh(self.device.type, (self.ws,))
         self.rows: list[dict] = []

@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import coalesced_bcast  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama import Block, Model  # noqa: E402
+import dist_setup  # noqa: E402
 
 GiB = 2**30
 # The FSDP1 inits take ~0.2 s and vary by +-10% between repetitions: three of each, alternating, medians
@@ -389,13 +390,7 @@ def main() -> None:
     modes = [m for m in args.modes.split(",") if m]
     out = args.out or (os.path.join(os.environ["OUT"], "init.jsonl") if os.environ.get("OUT") else "init_bench.jsonl")
 
-    cuda = torch.cuda.is_available() and not args.cpu
-    if cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=timedelta(seconds=180))
-    else:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    dist_setup.init(cpu=args.cpu, timeout=timedelta(seconds=180))
     ctx = Ctx(args)
     if ctx.rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

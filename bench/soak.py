@@ -35,20 +35,13 @@ from coalesced_bcast import AgreementError  # noqa: E402
 from coalesced_bcast.verify import VerifyError, tensor_hashes, verify_tensors  # noqa: E402
 from zoo import fill_random_bytes, make_zoo, same_bits  # noqa: E402
 
+import dist_setup  # noqa: E402  (beside this script)
+
 GiB, MiB = 2**30, 2**20
 
 
 def init() -> tuple[int, torch.device]:
-    """NCCL with one GPU per rank when there are enough GPUs, else gloo on CPU."""
-    world = int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world:
-        local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = dist_setup.init()
     return dist.get_rank(), device
 
 
