@@ -48,9 +48,11 @@ from llama import Block, Model  # noqa: E402
 import dist_setup  # noqa: E402
 
 GiB = 2**30
-# The FSDP1 inits take ~0.2 s and vary by +-10% between repetitions: three of each, alternating, medians
-# compared (three, not more: rank 0 keeps each finished FSDP1 model's 7.5 GiB until the process ends).
-ALL_MODES = ["fsdp1_base", "fsdp1_cb"] * 3 + ["ddp_base", "ddp_cb"] * 3 + ["hf_tied", "hf_untied", "hf_tied_to_empty"]
+# The FSDP1 inits take ~0.2 s and vary by +-10% between repetitions: four of each, alternating. The first
+# of each mode cuts the run at every sync (a synchronize there) to measure the syncs' own memory; that
+# also serializes host and GPU at each unit, so times are the medians of the others (not more: rank 0
+# keeps each finished FSDP1 model's 7.5 GiB until the process ends).
+ALL_MODES = ["fsdp1_base", "fsdp1_cb"] * 4 + ["ddp_base", "ddp_cb"] * 3 + ["hf_tied", "hf_untied", "hf_tied_to_empty"]
 FSDP_INIT = "torch.distributed.fsdp._init_utils"
 DDP_MOD = "torch.nn.parallel.distributed"
 # Targets of issue 4 (GiB), measured on 2x H200, torch 2.11: rank 1's FSDP1 peak allocated, DDP's sync extra.
@@ -133,6 +135,7 @@ class Probe:
         self.sync_peak_alloc = self.sync_peak_reserved = 0  # absolute, the max over the sync windows
         self.sync_seconds = 0.0
         self.calls = 0
+        self.timers: dict[str, float] = {}
         self._undo: list = []
 
     def _sync(self):
@@ -172,6 +175,28 @@ class Probe:
         setattr(mod, name, probed)
         self._undo.append((mod, name, fn))
 
+    def time_only(self, mod_name: str, name: str, key: str) -> None:
+        """Host seconds spent in mod_name.name (a module function, or 'Class.method' in mod_name), no sync."""
+        owner_name, _, attr = (mod_name + "." + name).rpartition(".")
+        try:
+            owner = importlib.import_module(owner_name)
+        except ImportError:
+            outer, _, cls = owner_name.rpartition(".")
+            owner = getattr(importlib.import_module(outer), cls)
+        fn = getattr(owner, attr)
+        self.timers.setdefault(key, 0.0)
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.timers[key] += time.perf_counter() - t0
+
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr, fn))
+
     def detach(self) -> None:
         for mod, name, fn in reversed(self._undo):
             setattr(mod, name, fn)
@@ -202,8 +227,11 @@ class Ctx:
         self.dtype = torch.bfloat16
 
 
-def measure(ctx: Ctx, wrap: Callable[[], nn.Module], probe_site: tuple[str, str], cb: bool) -> tuple[nn.Module, dict]:
-    """Run the constructor `wrap` with the probe attached (and install() for cb); timing and memory."""
+def measure(ctx: Ctx, wrap: Callable[[], nn.Module], probe_site: tuple[str, str], cb: bool,
+            windows: bool = True, timers: tuple = ()) -> tuple[nn.Module, dict]:
+    """Run the constructor `wrap` (with install() for cb); timing and memory. `windows`: cut the run at
+    every sync (see Probe) for the syncs' own memory and time; `timers`: (module, name, key) whose host
+    time is summed without any synchronize."""
     clean(ctx.cuda)
     base = torch.cuda.memory_allocated() if ctx.cuda else None
     base_r = torch.cuda.memory_reserved() if ctx.cuda else None
@@ -211,7 +239,10 @@ def measure(ctx: Ctx, wrap: Callable[[], nn.Module], probe_site: tuple[str, str]
     if cb:
         coalesced_bcast.install()
         coalesced_bcast.patched_calls(clear=True)
-    probe.attach(*probe_site)
+    for mod_name, name, key in timers:
+        probe.time_only(mod_name, name, key)
+    if windows:
+        probe.attach(*probe_site)
     try:
         if ctx.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -226,8 +257,11 @@ def measure(ctx: Ctx, wrap: Callable[[], nn.Module], probe_site: tuple[str, str]
         calls = coalesced_bcast.patched_calls(clear=True) if cb else []
         if cb:
             coalesced_bcast.uninstall()
-    row = dict(seconds=round(seconds, 4), sync_seconds=round(probe.sync_seconds, 4), sync_calls=probe.calls,
-               cb_calls=len(calls), ring_MiB=round(max((c.stats.ring_bytes for c in calls), default=0) / 2**20, 2))
+    row = dict(seconds=round(seconds, 4), windows=windows, cb_calls=len(calls),
+               ring_MiB=round(max((c.stats.ring_bytes for c in calls), default=0) / 2**20, 2))
+    if windows:
+        row.update(sync_seconds=round(probe.sync_seconds, 4), sync_calls=probe.calls)
+    row.update({f"{k}_seconds": round(v, 4) for k, v in probe.timers.items()})
     if calls:  # where our syncs' host time went, summed over the calls (the agreement includes waiting for peers)
         for part in ("plan", "agree", "enqueue"):
             row[f"cb_{part}_seconds"] = round(sum(getattr(c.stats, f"{part}_seconds") for c in calls), 4)
@@ -235,16 +269,22 @@ def measure(ctx: Ctx, wrap: Callable[[], nn.Module], probe_site: tuple[str, str]
         row.update(base_alloc_GiB=gib(base), peak_alloc_GiB=gib(probe.peak_alloc),
                    peak_reserved_GiB=gib(probe.peak_reserved), extra_alloc_GiB=gib(probe.peak_alloc - base),
                    extra_reserved_GiB=gib(probe.peak_reserved - base_r),
-                   sync_extra_alloc_GiB=gib(probe.sync_extra_alloc),
-                   sync_extra_reserved_GiB=gib(probe.sync_extra_reserved),
-                   sync_peak_alloc_GiB=gib(probe.sync_peak_alloc),
-                   sync_peak_reserved_GiB=gib(probe.sync_peak_reserved),
                    final_alloc_GiB=gib(torch.cuda.memory_allocated()))
+        if windows:
+            row.update(sync_extra_alloc_GiB=gib(probe.sync_extra_alloc),
+                       sync_extra_reserved_GiB=gib(probe.sync_extra_reserved),
+                       sync_peak_alloc_GiB=gib(probe.sync_peak_alloc),
+                       sync_peak_reserved_GiB=gib(probe.sync_peak_reserved))
     return wrapped, row
 
 
+# FSDP1's phases per unit besides the sync: materializing (param_init_fn), flattening and sharding.
+FSDP_TIMERS = ((FSDP_INIT, "_materialize_with_param_init_fn", "init_fn"),
+               (FSDP_INIT, "_init_param_handle_from_params", "flatten_shard"))
+
+
 def fsdp_mode(ctx: Ctx, make: Callable[[], nn.Module], unit_types: set, cb: bool, plain_to_empty: bool,
-              tie_names: Optional[tuple[str, str]] = None) -> dict:
+              tie_names: Optional[tuple[str, str]] = None, windows: bool = True) -> dict:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     model = build(make, on_meta=ctx.rank != 0, device=ctx.device, dtype=ctx.dtype)
@@ -258,6 +298,7 @@ def fsdp_mode(ctx: Ctx, make: Callable[[], nn.Module], unit_types: set, cb: bool
         return a.data_ptr() == b.data_ptr()
 
     want, facts = share_reference(model if ctx.rank == 0 else None, {"tied": tied(model) if ctx.rank == 0 else None})
+    in_place0 = coalesced_bcast.fsdp.arena_counts()["flattened_in_place"]
     if plain_to_empty:
         init_fn = lambda m: m.to_empty(device=ctx.device, recurse=False)  # noqa: E731
     else:
@@ -265,8 +306,10 @@ def fsdp_mode(ctx: Ctx, make: Callable[[], nn.Module], unit_types: set, cb: bool
     fsdp, row = measure(ctx, lambda: FSDP(model, auto_wrap_policy=ModuleWrapPolicy(unit_types),
                                           device_id=ctx.device, sync_module_states=True,
                                           param_init_fn=init_fn if ctx.rank else None),
-                        (FSDP_INIT, "_sync_module_params_and_buffers"), cb)
+                        (FSDP_INIT, "_sync_module_params_and_buffers"), cb, windows, FSDP_TIMERS)
     row["units"] = len(FSDP.fsdp_modules(fsdp))
+    if cb:
+        row["units_flattened_in_place"] = coalesced_bcast.fsdp.arena_counts()["flattened_in_place"] - in_place0
     with FSDP.summon_full_params(fsdp, writeback=False):
         got = digests(fsdp)
         row["tied"] = tied(fsdp.module)
@@ -300,13 +343,14 @@ def hf_make(ctx: Ctx, tie: bool) -> tuple[Callable[[], nn.Module], set]:
     return (lambda: LlamaForCausalLM(cfg)), {LlamaDecoderLayer}
 
 
-def run_mode(ctx: Ctx, mode: str) -> dict:
+def run_mode(ctx: Ctx, mode: str, rep: int = 1) -> dict:
     dims = SMALL if ctx.small else FULL
     make = lambda: Model(**dims)  # noqa: E731
     if mode in ("fsdp1_base", "fsdp1_cb"):
         if mode == "fsdp1_base" and not ctx.cuda:
             return {"skipped": "torch's FSDP1 refuses CPU states with sync_module_states"}
-        return fsdp_mode(ctx, make, {Block}, cb=mode.endswith("_cb"), plain_to_empty=mode.endswith("_base"))
+        return fsdp_mode(ctx, make, {Block}, cb=mode.endswith("_cb"), plain_to_empty=mode.endswith("_base"),
+                         windows=rep == 1)
     if mode in ("ddp_base", "ddp_cb"):
         return ddp_mode(ctx, make, cb=mode.endswith("_cb"))
     if mode in ("hf_tied", "hf_untied", "hf_tied_to_empty"):
@@ -336,23 +380,29 @@ def warmup(ctx: Ctx) -> None:
 # --------------------------------------------------------------------------------------------- main
 
 def summarize(rows: list[dict]) -> dict:
-    """Per (mode, rank): the median repetition by time (memory is the same in every one), then the targets."""
+    """Per (mode, rank): the median repetition by time among those not cut at each sync (all, if every
+    one was), the sync-window figures from the one that was, then the targets."""
     reps: dict[tuple, list] = {}
     for r in rows:
         if "seconds" in r:
             reps.setdefault((r["mode"], r["rank"]), []).append(r)
-    best = {k: sorted(v, key=lambda r: r["seconds"])[(len(v) - 1) // 2] for k, v in reps.items()}
+    timed = {k: [r for r in v if not r.get("windows", True)] or v for k, v in reps.items()}
+    best = {k: sorted(v, key=lambda r: r["seconds"])[(len(v) - 1) // 2] for k, v in timed.items()}
+    cut = {k: next((r for r in v if r.get("windows", True)), None) for k, v in reps.items()}
     out: dict = {"mode": "summary", "all_correct": all(r.get("correct", True) for r in rows),
                  "errors": [f"{r['mode']}@{r['rank']}: {r['error']}" for r in rows if "error" in r]}
 
     def get(mode, rank, key):
+        if key.startswith("sync_"):
+            return (cut.get((mode, rank)) or {}).get(key)
         return best.get((mode, rank), {}).get(key)
 
     ranks = sorted({r["rank"] for r in rows})
     for kind in ("fsdp1", "ddp"):
         b, c = f"{kind}_base", f"{kind}_cb"
         for rank in ranks:
-            for key in ("seconds", "sync_seconds", "extra_alloc_GiB", "extra_reserved_GiB", "sync_peak_alloc_GiB",
+            for key in ("seconds", "init_fn_seconds", "flatten_shard_seconds", "cb_agree_seconds",
+                        "cb_enqueue_seconds", "sync_seconds", "extra_alloc_GiB", "extra_reserved_GiB", "sync_peak_alloc_GiB",
                         "sync_peak_reserved_GiB", "sync_extra_alloc_GiB", "sync_extra_reserved_GiB"):
                 vb, vc = get(b, rank, key), get(c, rank, key)
                 if vb is not None or vc is not None:
@@ -376,7 +426,7 @@ def summarize(rows: list[dict]) -> dict:
         if all(x is not None for x in tb + tc):
             out[f"target.{kind}_time_no_slower(median, max over ranks, 5% slack)"] = max(tc) <= 1.05 * max(tb)
         for mode in (f"{kind}_base", f"{kind}_cb"):
-            out[f"{mode}.seconds_all_reps"] = sorted(r["seconds"] for r in reps.get((mode, 0), []))
+            out[f"{mode}.seconds_timed_reps"] = sorted(r["seconds"] for r in timed.get((mode, 0), []))
     return out
 
 
@@ -402,7 +452,7 @@ def main() -> None:
     for mode in modes:
         reps[mode] = reps.get(mode, 0) + 1
         try:
-            row = run_mode(ctx, mode)
+            row = run_mode(ctx, mode, reps[mode])
         except Exception as e:  # every mode is collective: a rank's error is reported, the run goes on
             row = {"error": f"{type(e).__name__}: {e}"[:2000], "correct": False}
         clean(ctx.cuda)

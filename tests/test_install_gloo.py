@@ -159,13 +159,17 @@ def _ddp_body(rank, world_size):
 def test_uninstall_restores_torch():
     import torch.distributed.fsdp._init_utils as fsdp_init
     import torch.nn.parallel.distributed as ddp_mod
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
     names = [(fsdp_init, "_sync_module_params_and_buffers"), (fsdp_init, "_sync_params_and_buffers"),
-             (fsdp_init, "_check_module_states_for_sync_module_states"), (ddp_mod, "_sync_module_states")]
+             (fsdp_init, "_check_module_states_for_sync_module_states"),
+             (fsdp_init, "_materialize_with_param_init_fn"), (FlatParamHandle, "flatten_tensors"),
+             (ddp_mod, "_sync_module_states")]
     originals = [getattr(m, n) for m, n in names]
     assert not coalesced_bcast.is_installed()
     patched = coalesced_bcast.install()
     try:
-        assert patched == [f"{m.__name__}.{n}" for m, n in names]
+        assert patched == [f"{getattr(m, '__module__', m.__name__)}.{m.__name__}.{n}" if isinstance(m, type)
+                           else f"{m.__name__}.{n}" for m, n in names]
         assert coalesced_bcast.install() == patched  # idempotent
         now = [getattr(m, n) for m, n in names]
         assert all(a is not b and a.__wrapped__ is b for a, b in zip(now, originals))
@@ -186,7 +190,7 @@ def test_install_names_what_this_torch_lacks(monkeypatch, caplog):
     torch_ddp = ddp_mod._sync_module_states
     with caplog.at_level(logging.INFO, logger="coalesced_bcast"):
         with coalesced_bcast.installed() as patched:
-            assert len(patched) == 3 and ddp_mod._sync_module_states is not torch_ddp
+            assert len(patched) == 5 and ddp_mod._sync_module_states is not torch_ddp
     missing = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(missing) == 1 and "_check_module_states_for_sync_module_states" in missing[0] \
         and torch.__version__ in missing[0], missing
@@ -196,11 +200,11 @@ def test_install_names_what_this_torch_lacks(monkeypatch, caplog):
 
 # ---------------------------------------------------------------------------------------------- FSDP1
 
-def _fsdp(model, units, init_fn):
+def _fsdp(model, units, init_fn, **kw):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(units), device_id=CPU, sync_module_states=True,
-                param_init_fn=init_fn)
+                param_init_fn=init_fn, **kw)
 
 
 def _full_states(model) -> dict[str, torch.Tensor]:
@@ -220,24 +224,35 @@ def _fsdp_body(rank, world_size):
         _fsdp(build(False, SOURCE_SEED), {Block}, None)
 
     plain_to_empty = lambda m: m.to_empty(device=CPU, recurse=False)  # noqa: E731  (pytorch issue 143181)
-    cases = [  # (tied, units, param_init_fn on meta ranks)
-        (False, {Block}, coalesced_bcast.fsdp.param_init_fn(CPU)),
-        (True, {Block}, coalesced_bcast.fsdp.param_init_fn(CPU)),  # embed and head in the root unit
-        (True, {Block, Head}, coalesced_bcast.fsdp.param_init_fn(CPU)),  # the tie crosses units
-        (True, {Block}, plain_to_empty),  # split by to_empty: re-tied from the source's names
+    ours = coalesced_bcast.fsdp.param_init_fn
+    # (tied, units, param_init_fn on meta ranks, FSDP kwargs, units whose FlatParameter is our buffer
+    # on those ranks: every unit whose parameters were all on meta and laid out as FSDP flattens them)
+    cases = [
+        (False, {Block}, ours(CPU), {}, 4),
+        (True, {Block}, ours(CPU), {}, 4),  # embed and head in the root unit
+        (True, {Block, Head}, ours(CPU), {}, 4),  # the tie crosses units: the root's embed is no longer meta
+        (True, {Block}, plain_to_empty, {}, 0),  # split by to_empty: re-tied from the source's names
+        (False, {Block}, ours(CPU), {"use_orig_params": True}, 4),  # no padding needed: all sizes aligned
+        (False, {Block}, ours(CPU), {"use_orig_params": True, "wide_block": 1}, 3),  # wide block padded: copied
     ]
     coalesced_bcast.install()
     try:
-        for tied, units, init_fn in cases:
-            label = f"FSDP1 tied={tied} units={sorted(u.__name__ for u in units)} init={init_fn}"
-            want = states(build(tied, SOURCE_SEED))
-            model = build(tied, SOURCE_SEED) if rank == 0 else build(tied, 0, device="meta")
+        for tied, units, init_fn, kw, in_place in cases:
+            kw = dict(kw)
+            shape = {"wide_block": kw.pop("wide_block")} if "wide_block" in kw else {}
+            label = f"FSDP1 tied={tied} units={sorted(u.__name__ for u in units)} init={init_fn} {kw} {shape}"
+            want = states(build(tied, SOURCE_SEED, **shape))
+            model = build(tied, SOURCE_SEED, **shape) if rank == 0 else build(tied, 0, device="meta", **shape)
             coalesced_bcast.patched_calls(clear=True)
             records.messages.clear()
-            fsdp = _fsdp(model, units, init_fn)
+            before = coalesced_bcast.fsdp.arena_counts()
+            fsdp = _fsdp(model, units, init_fn, **kw)
+            counts = {k: v - before[k] for k, v in coalesced_bcast.fsdp.arena_counts().items()}
             calls = coalesced_bcast.patched_calls()
             assert calls and {c.site for c in calls} == {"fsdp1"}, f"{label}: {calls}"
             assert len(calls) == len(FSDP.fsdp_modules(fsdp)), f"{label}: one sync per unit, got {len(calls)}"
+            assert counts["flattened_in_place"] == (in_place if rank else 0), f"{label}: {counts}"
+            assert counts["arenas"] == counts["flattened_in_place"] + counts["flattened_by_copy"], f"{label}: {counts}"
             assert_same(_full_states(fsdp), want, label, rank)
             if tied:
                 inner = fsdp.module

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
 import torch
@@ -83,7 +84,117 @@ class MetaMaterializer:
 
     def _new(self, meta: torch.Tensor, make) -> torch.Tensor:
         hit = self._memo.get(id(meta))
-        return hit if hit is not None else make()
+        # A hit whose memory FSDP already freed: a tie across units whose first unit was flattened in
+        # place and sharded. This unit flattens its own copy anyway (FSDP1 duplicates such ties) and
+        # the sync writes its values: give it fresh memory.
+        return hit if hit is not None and not _freed(hit) else make()
+
+    def materialize_unit(self, modules: list[nn.Module]) -> None:
+        """Materialize one FSDP unit (``modules``: those FSDP would hand to ``param_init_fn``, the
+        unit's root first): its meta parameters go into one buffer, in the order FSDP1 flattens them,
+        so that FSDP's flatten can use that buffer as the unit's FlatParameter instead of copying
+        (see :func:`flatten_in_place`); everything else as by ``__call__``.
+
+        Why: FSDP1 holds the unit's originals, their flat copy and the shard's clone at once; for the
+        largest unit (embedding and head) that is the whole init's peak. Without the copy the peak
+        is one unit smaller. A unit whose parameters are not all meta, not all of one dtype, or not
+        all plain ``nn.Parameter`` s is materialized module by module instead.
+        """
+        order, slots = _unit_params(modules)
+        if order and self._arena_ok(order):
+            total = sum(p.numel() for p in order)
+            arena = torch.empty(total, dtype=order[0].dtype, device=self.device)
+            new: dict[int, nn.Parameter] = {}
+            offset = 0
+            for p in order:
+                n = p.numel()
+                new[id(p)] = nn.Parameter(arena[offset:offset + n].view(p.shape), p.requires_grad)
+                offset += n
+            for module, key, p in slots:
+                module._parameters[key] = new[id(p)]
+            for p in order:
+                self._remember(p, new[id(p)])
+            _register_arena(arena, [new[id(p)] for p in order])
+        for module in modules:  # buffers, and the parameters of a unit without an arena
+            self(module)
+
+    def _arena_ok(self, order: list[torch.Tensor]) -> bool:
+        dtype = order[0].dtype
+        return all(type(p) is nn.Parameter and p.is_meta and p.dtype == dtype and id(p) not in self._memo
+                   for p in order)
+
+
+def _freed(t: torch.Tensor) -> bool:
+    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
+def _unit_params(modules: list[nn.Module]) -> tuple[list[nn.Parameter], list[tuple[nn.Module, str, nn.Parameter]]]:
+    """The unit's meta parameters in FSDP1's flatten order (``named_modules(remove_duplicate=False)``
+    from the unit's root, each module's own parameters, first occurrence), and every module slot
+    holding one of them."""
+    inside = set(modules)
+    order: dict[int, nn.Parameter] = {}
+    slots = []
+    for _, module in modules[0].named_modules(remove_duplicate=False) if modules else ():
+        if module not in inside:
+            continue
+        for key, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                order.setdefault(id(p), p)
+                slots.append((module, key, p))
+    return list(order.values()), slots
+
+
+@dataclass
+class _Arena:
+    """A unit's parameters laid out back to back in one buffer, waiting for FSDP1 to flatten them."""
+
+    params: list  # weakref.ref to each parameter, in flatten order
+    numel: int
+
+
+_arenas: dict[int, _Arena] = {}  # storage address -> arena; cleared by the next unit and by uninstall()
+_counts = {"arenas": 0, "flattened_in_place": 0, "flattened_by_copy": 0}
+
+
+def _register_arena(arena: torch.Tensor, params: list[nn.Parameter]) -> None:
+    _arenas.clear()  # a previous unit's that FSDP did not flatten in place: its memory lives on in its params
+    _arenas[arena.untyped_storage().data_ptr()] = _Arena([weakref.ref(p) for p in params], arena.numel())
+    _counts["arenas"] += 1
+
+
+def flatten_in_place(tensors: list[torch.Tensor], aligned_numel: int) -> Optional[torch.Tensor]:
+    """FSDP1's flat tensor for ``tensors`` without a copy, if they are exactly an arena's parameters
+    in order (then the arena is the flat tensor); else None, and FSDP copies as usual.
+
+    Exactly: the same objects, contiguous, back to back from the buffer's start, no padding to add.
+    FSDP then shards it and frees the buffer (``storage.resize_(0)``), as it frees its own copy.
+    """
+    if not _arenas or not tensors or tensors[0].is_meta:
+        return None
+    arena = _arenas.get(tensors[0].untyped_storage().data_ptr())
+    if arena is None:
+        return None
+    del _arenas[tensors[0].untyped_storage().data_ptr()]
+    offset, ok = 0, aligned_numel == 0 and len(tensors) == len(arena.params)
+    for t, ref in zip(tensors, arena.params) if ok else ():
+        if t is not ref() or not t.is_contiguous() or t.storage_offset() != offset:
+            ok = False
+            break
+        offset += t.numel()
+    if not ok or offset != arena.numel:
+        _counts["flattened_by_copy"] += 1
+        logger.debug("coalesced_bcast: FSDP flattens a unit other than its arena's parameters; copying")
+        return None
+    _counts["flattened_in_place"] += 1
+    flat = torch.empty(0, dtype=tensors[0].dtype, device=tensors[0].device)
+    return flat.set_(tensors[0].untyped_storage(), 0, (offset,), (1,))
+
+
+def arena_counts() -> dict[str, int]:
+    """Units given one buffer by :meth:`MetaMaterializer.materialize_unit`, and how FSDP1 flattened
+    them: in place (no copy) or by its usual copy."""
+    return dict(_counts)
 
 
 def param_init_fn(device: Union[torch.device, str, int]) -> MetaMaterializer:

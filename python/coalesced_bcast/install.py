@@ -9,6 +9,10 @@ patching ``torch.distributed.utils`` alone would not reach FSDP1, whose ``_init_
 - ``torch.distributed.fsdp._init_utils._sync_params_and_buffers``: its byte mover.
 - ``torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states``: its CPU
   refusal; lifted when the unit's group has gloo, kept (with a clearer message) otherwise.
+- ``torch.distributed.fsdp._init_utils._materialize_with_param_init_fn``: hands a whole unit to
+  ``coalesced_bcast.fsdp.param_init_fn`` (one buffer per unit); other ``param_init_fn`` s as before.
+- ``torch.distributed.fsdp._flat_param.FlatParamHandle.flatten_tensors``: such a buffer becomes the
+  unit's FlatParameter without a copy.
 - ``torch.nn.parallel.distributed._sync_module_states``: DDP's init (and join) sync.
 """
 from __future__ import annotations
@@ -35,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 _FSDP = "torch.distributed.fsdp._init_utils"
 _DDP = "torch.nn.parallel.distributed"
+_FLAT = "torch.distributed.fsdp._flat_param"
 _FSDP_SYNCED = "_fsdp_synced"  # the mark FSDP1 puts on buffers it synced (FSDP_SYNCED in _init_utils)
 
 
@@ -161,6 +166,24 @@ def _fsdp_sync_module_params_and_buffers(original: Callable, module: nn.Module, 
         _unit.reset(token)
 
 
+def _fsdp_materialize_with_param_init_fn(original: Callable, root_module: nn.Module, param_init_fn: Callable,
+                                         ignored_modules: set) -> None:
+    """Wraps FSDP1's call of ``param_init_fn`` on a unit's modules: our materializer gets the whole
+    unit at once (one buffer for its parameters, see MetaMaterializer.materialize_unit); any other
+    ``param_init_fn`` is called as torch calls it."""
+    if not isinstance(param_init_fn, _fsdp.MetaMaterializer):
+        return original(root_module, param_init_fn, ignored_modules)
+    modules = importlib.import_module(_FSDP)._get_modules_to_materialize(root_module, ignored_modules)
+    param_init_fn.materialize_unit(modules)
+
+
+def _fsdp_flatten_tensors(original: Callable, handle: Any, tensors: list[torch.Tensor], aligned_numel: int):
+    """Wraps FlatParamHandle.flatten_tensors: a unit laid out in one buffer by our materializer becomes
+    its FlatParameter as it is; anything else is copied by torch as usual."""
+    flat = _fsdp.flatten_in_place(tensors, aligned_numel)
+    return flat if flat is not None else original(handle, tensors, aligned_numel)
+
+
 # ------------------------------------------------------------------------------------------------ DDP
 
 def _ddp_sync_module_states(original: Callable, module: nn.Module, process_group: dist.ProcessGroup,
@@ -198,8 +221,24 @@ _REPLACEMENTS: list[tuple[str, str, Callable, str]] = [
      "FSDP1's sync_module_states keeps torch's broadcast"),
     (_FSDP, "_check_module_states_for_sync_module_states", _fsdp_check_module_states,
      "FSDP1 keeps refusing CPU modules, gloo included"),
+    (_FSDP, "_materialize_with_param_init_fn", _fsdp_materialize_with_param_init_fn,
+     "fsdp.param_init_fn materializes module by module and FSDP1 copies each unit to flatten it"),
+    (_FLAT + ".FlatParamHandle", "flatten_tensors", _fsdp_flatten_tensors,
+     "FSDP1 copies each unit to flatten it"),
     (_DDP, "_sync_module_states", _ddp_sync_module_states, "DDP's init sync keeps torch's broadcast"),
 ]
+
+
+def _owner(path: str) -> Any:
+    """The module, or a class inside one ('pkg.mod.Class'), that holds a patched name."""
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        mod, _, attr = path.rpartition(".")
+        owner = getattr(importlib.import_module(mod), attr, None)
+        if owner is None:
+            raise ImportError(f"{mod} has no {attr}") from None
+        return owner
 
 
 def _wrap(repl: Callable, original: Callable) -> Callable:
@@ -226,7 +265,7 @@ def install() -> list[str]:
         patched, missing = [], []
         for mod_name, name, repl, consequence in _REPLACEMENTS:
             try:
-                mod = importlib.import_module(mod_name)
+                mod = _owner(mod_name)
             except ImportError as e:
                 missing.append(f"{mod_name}.{name} ({consequence}; import failed: {e})")
                 continue
@@ -249,7 +288,7 @@ def uninstall() -> None:
     """Put torch's own functions back (a no-op when not installed)."""
     with _lock:
         for (mod_name, name), original in _originals.items():
-            mod = importlib.import_module(mod_name)
+            mod = _owner(mod_name)
             current = getattr(mod, name, None)
             if getattr(current, "__wrapped__", None) is not original:
                 logger.warning("coalesced_bcast.uninstall: %s.%s was replaced by someone else after install(); "
@@ -258,6 +297,7 @@ def uninstall() -> None:
         if _originals:
             logger.info("coalesced_bcast.uninstall: restored %d torch functions", len(_originals))
         _originals.clear()
+        _fsdp._arenas.clear()
 
 
 @contextlib.contextmanager
