@@ -2,9 +2,10 @@
 
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/agree_probe.py [--out FILE]
 
-Back-to-back agreements over the group (NCCL on GPUs, gloo on CPU) for a Llama-8B block's 9 tensors,
-each step of the agreement timed on the host; the same right after a 0.4 GiB payload broadcast (which
-the agreement's collective queues behind); and the round trips of the c10d store that every group has.
+Back-to-back agreements for a Llama-8B block's 9 tensors, both ways (a collective over the group, NCCL
+on GPUs and gloo on CPU, each of its steps timed on the host; and the group's c10d store); the same
+right after a 0.4 GiB payload broadcast (which a collective agreement queues behind); and the bare
+round trips of the store.
 One JSON line per rank and case: median and p90 microseconds.
 """
 from __future__ import annotations
@@ -69,29 +70,32 @@ def main() -> None:
     def emit(case, xs, **extra):
         rows.append(dict(case=case, rank=rank, device=str(device), torch=torch.__version__, n=len(xs), **stats(xs), **extra))
 
-    for _ in range(20):
-        agree.check_agreement(plan, None, pg, 0, [])
-    # 1. back to back, nothing queued before
-    timers, undo = timed_steps()
-    xs = []
-    for _ in range(N):
-        t0 = time.perf_counter()
-        agree.check_agreement(plan, None, pg, 0, [])
-        xs.append(time.perf_counter() - t0)
-    undo()
-    emit("agreement_alone", xs, steps={k: stats(v) for k, v in timers.items()})
-    # 2. right after a payload broadcast of the same 9 tensors (0.4 GiB): what FSDP1 does unit after unit
-    xs, ys = [], []
-    for _ in range(50):
-        t0 = time.perf_counter()
-        coalesced_bcast.broadcast_tensors(tensors, 0)
-        t1 = time.perf_counter()
-        agree.check_agreement(plan, None, pg, 0, [])
-        xs.append(time.perf_counter() - t1)
-        ys.append(t1 - t0)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    emit("agreement_after_payload", xs, sync_us=stats(ys))
+    for how, store_max in (("collective", "0"), ("store", str(agree.STORE_MAX_RANKS))):
+        os.environ[agree._STORE_ENV] = store_max
+        for _ in range(20):
+            agree.check_agreement(plan, None, pg, 0, [])
+        # 1. back to back, nothing queued before
+        timers, undo = timed_steps()
+        xs = []
+        for _ in range(N):
+            t0 = time.perf_counter()
+            agree.check_agreement(plan, None, pg, 0, [])
+            xs.append(time.perf_counter() - t0)
+        undo()
+        emit(f"agreement_alone[{how}]", xs, steps={k: stats(v) for k, v in timers.items()})
+        # 2. right after a payload broadcast of the same 9 tensors (0.4 GiB): what FSDP1 does unit after unit
+        xs, ys = [], []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            coalesced_bcast.broadcast_tensors(tensors, 0)
+            t1 = time.perf_counter()
+            agree.check_agreement(plan, None, pg, 0, [])
+            xs.append(time.perf_counter() - t1)
+            ys.append(t1 - t0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        emit(f"agreement_after_payload[{how}]", xs, sync_us=stats(ys))
+    del os.environ[agree._STORE_ENV]
     # 3. the group's store: the round trips a store-based agreement would take (publish, read, count, wait)
     store = dist.distributed_c10d._get_process_group_store(pg)
     dist.barrier()
