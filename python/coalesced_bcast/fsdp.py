@@ -6,6 +6,10 @@ each of their modules before its per-unit sync, and the sync then writes the sou
     model = FSDP(model, sync_module_states=True, device_id=dev,
                  param_init_fn=coalesced_bcast.fsdp.param_init_fn(dev))
 
+With ``install()``, FSDP1 hands this ``param_init_fn`` each unit whole: the unit's parameters are laid
+out in one buffer in FSDP1's flatten order, and that buffer becomes the unit's FlatParameter without
+the copy FSDP1 otherwise makes (the init's peak falls by the largest unit's size).
+
 Tied weights (``lm_head.weight is embed.weight`` on the source):
 - with this ``param_init_fn``, a tie present in the meta model stays one tensor, whether both modules
   are in one FSDP unit or in different units: the other ranks then have the source's structure;
