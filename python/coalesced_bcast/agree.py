@@ -373,12 +373,16 @@ class _StoreAgreement:
                 f"{time.monotonic() - self.t0:.1f} s (limit: {limit}): a rank died, did not call the sync in time, "
                 f"or called another collective. The group is unusable now. Cause: {e}") from e
 
-    def get(self, name: str) -> str:
+    def raw(self, name: str) -> bytes:
+        """The value of `name` once some rank has set it, waiting no longer than the deadline."""
         left = self.limit - (time.monotonic() - self.t0)
         if left <= 0:
             self._op(self._expired)
         self._op(self.store.wait, [self._key(name)], timedelta(seconds=left))
-        return self._op(self.store.get, self._key(name)).decode(errors="replace")
+        return self._op(self.store.get, self._key(name))
+
+    def get(self, name: str) -> str:
+        return self.raw(name).decode(errors="replace")
 
     def _expired(self):
         raise RuntimeError(f"the deadline of {self.limit:g} s passed")
@@ -438,12 +442,9 @@ class _StoreAgreement:
             _, msg = self.lowest("sources")
             raise AgreementError(f"coalesced_bcast: the ranks name different sources, so no rank sent anything: {msg}")
         if is_src:
-            self._op(self.store.set, self._key("fingerprint"), fp.numpy().tobytes())
+            self._op(self.store.set, self._key("fingerprint"), fp.numpy().tobytes())  # bytes, not text
         if differs:
-            raw = self._op(self.store.wait, [self._key("fingerprint")],
-                           timedelta(seconds=max(self.limit - (time.monotonic() - self.t0), 0.001)))
-            raw = self._op(self.store.get, self._key("fingerprint"))
-            src_fp = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+            src_fp = torch.frombuffer(bytearray(self.raw("fingerprint")), dtype=torch.int64)
             self.keep_lowest("difference", first_difference(src_fp, fp, names, self.rank))
         if self.add("arrived2", 1) == n:
             self.set("done2", "1")
