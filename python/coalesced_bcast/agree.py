@@ -311,7 +311,7 @@ def check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup,
         return
     cdev = control_device(pg)
     with control_stream(cdev):
-        _check_agreement(plan, error, pg, src, names, timeout, device, cdev)
+        _check_agreement(plan, error, pg, src, names, timeout, cdev)
 
 
 # ------------------------------------------------------------------------------ over the group's store
@@ -387,7 +387,7 @@ class _StoreAgreement:
     def _expired(self):
         raise RuntimeError(f"the deadline of {self.limit:g} s passed")
 
-    def set(self, name: str, value: str) -> None:
+    def set(self, name: str, value: str | bytes) -> None:
         self._op(self.store.set, self._key(name), value)
 
     def add(self, name: str, n: int) -> int:
@@ -442,7 +442,7 @@ class _StoreAgreement:
             _, msg = self.lowest("sources")
             raise AgreementError(f"coalesced_bcast: the ranks name different sources, so no rank sent anything: {msg}")
         if is_src:
-            self._op(self.store.set, self._key("fingerprint"), fp.numpy().tobytes())  # bytes, not text
+            self.set("fingerprint", fp.numpy().tobytes())
         if differs:
             src_fp = torch.frombuffer(bytearray(self.raw("fingerprint")), dtype=torch.int64)
             self.keep_lowest("difference", first_difference(src_fp, fp, names, self.rank))
@@ -455,8 +455,7 @@ class _StoreAgreement:
 
 
 def _check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup, src: Optional[int],
-                     names: Sequence[str], timeout: Optional[timedelta], device: Optional[torch.device],
-                     cdev: torch.device) -> None:
+                     names: Sequence[str], timeout: Optional[timedelta], cdev: torch.device) -> None:
     """The agreement as one all_gather over the group (and, on a mismatch, a broadcast and another)."""
     rank = dist.get_rank()
     ranks = dist.get_process_group_ranks(pg)

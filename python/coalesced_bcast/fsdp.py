@@ -176,10 +176,9 @@ def flatten_in_place(tensors: list[torch.Tensor], aligned_numel: int) -> Optiona
     """
     if not _arenas or not tensors or tensors[0].is_meta:
         return None
-    arena = _arenas.get(tensors[0].untyped_storage().data_ptr())
+    arena = _arenas.pop(tensors[0].untyped_storage().data_ptr(), None)
     if arena is None:
         return None
-    del _arenas[tensors[0].untyped_storage().data_ptr()]
     offset, ok = 0, aligned_numel == 0 and len(tensors) == len(arena.params)
     for t, ref in zip(tensors, arena.params) if ok else ():
         if t is not ref() or not t.is_contiguous() or t.storage_offset() != offset:
