@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import functools
 import gc
 import importlib
+import io
 import json
 import os
+import pstats
 import sys
 import time
 from datetime import timedelta
@@ -43,16 +46,17 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import coalesced_bcast  # noqa: E402
+from coalesced_bcast import agree  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama import Block, Model  # noqa: E402
 import dist_setup  # noqa: E402
 
 GiB = 2**30
-# The FSDP1 inits take ~0.2 s and vary by +-10% between repetitions: four of each, alternating. The first
-# of each mode cuts the run at every sync (a synchronize there) to measure the syncs' own memory; that
-# also serializes host and GPU at each unit, so times are the medians of the others (not more: rank 0
-# keeps each finished FSDP1 model's 7.5 GiB until the process ends).
-ALL_MODES = ["fsdp1_base", "fsdp1_cb"] * 4 + ["ddp_base", "ddp_cb"] * 3 + ["hf_tied", "hf_untied", "hf_tied_to_empty"]
+# The FSDP1 inits take ~0.1 s and vary by +-10-20% between repetitions: five of each, alternating. The
+# first of each mode cuts the run at every sync (a synchronize there) to measure the syncs' own memory;
+# that also serializes host and GPU at each unit, so times are the medians of the others (not more: rank
+# 0 keeps each finished FSDP1 model's 7.5 GiB until the process ends).
+ALL_MODES = ["fsdp1_base", "fsdp1_cb"] * 5 + ["ddp_base", "ddp_cb"] * 3 + ["hf_tied", "hf_untied", "hf_tied_to_empty"]
 FSDP_INIT = "torch.distributed.fsdp._init_utils"
 DDP_MOD = "torch.nn.parallel.distributed"
 # Targets of issue 4 (GiB), measured on 2x H200, torch 2.11: rank 1's FSDP1 peak allocated, DDP's sync extra.
@@ -223,7 +227,7 @@ class Ctx:
 
 
 def measure(ctx: Ctx, wrap: Callable[[], nn.Module], probe_site: tuple[str, str], cb: bool,
-            windows: bool = True, timers: tuple = ()) -> tuple[nn.Module, dict]:
+            windows: bool = True, timers: tuple = (), profile: bool = False) -> tuple[nn.Module, dict]:
     """Run the constructor `wrap` (with install() for cb); timing and memory. `windows`: cut the run at
     every sync (see Probe) for the syncs' own memory and time; `timers`: (module, name, key) whose host
     time is summed without any synchronize."""
@@ -238,28 +242,59 @@ def measure(ctx: Ctx, wrap: Callable[[], nn.Module], probe_site: tuple[str, str]
         probe.time_only(mod_name, name, key)
     if windows:
         probe.attach(*probe_site)
+    gc_pauses: list[float] = []
+    gc_start = [0.0]
+
+    def on_gc(phase, info):  # Python's collector stops this rank; a host barrier makes the others wait too
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_pauses.append(time.perf_counter() - gc_start[0])
+
+    agree.store_op_seconds.clear()
+    agree.store_op_counts.clear()
     try:
         if ctx.cuda:
             torch.cuda.reset_peak_memory_stats()
         dist.barrier()
         probe.cut()
+        gc.callbacks.append(on_gc)
+        profiler = cProfile.Profile() if profile else None
         t0 = time.perf_counter()
-        wrapped = wrap()
+        with profiler or contextlib.nullcontext():
+            wrapped = wrap()
         probe.cut()
         seconds = time.perf_counter() - t0
     finally:
+        if on_gc in gc.callbacks:
+            gc.callbacks.remove(on_gc)
         probe.detach()
         calls = coalesced_bcast.patched_calls(clear=True) if cb else []
         if cb:
             coalesced_bcast.uninstall()
-    row = dict(seconds=round(seconds, 4), windows=windows, cb_calls=len(calls),
+    if profiler is not None:  # where the host time goes, by function (own time, then with callees)
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(40)
+        with open(os.path.join(ctx.args.profile_dir, f"profile_{'cb' if cb else 'base'}_rank{ctx.rank}.txt"), "w") as f:
+            f.write(text.getvalue())
+    row = dict(seconds=round(seconds, 4), windows=windows, cb_calls=len(calls), gc_collections=len(gc_pauses),
+               gc_ms=round(sum(gc_pauses) * 1e3, 2), gc_max_ms=round(max(gc_pauses, default=0) * 1e3, 2),
                ring_MiB=round(max((c.stats.ring_bytes for c in calls), default=0) / 2**20, 2))
     if windows:
         row.update(sync_seconds=round(probe.sync_seconds, 4), sync_calls=probe.calls)
     row.update({f"{k}_seconds": round(v, 4) for k, v in probe.timers.items()})
     if calls:  # where our syncs' host time went, summed over the calls (the agreement includes waiting for peers)
-        for part in ("plan", "agree", "enqueue"):
+        for part in ("plan", "agree", "agree_wait", "enqueue"):
             row[f"cb_{part}_seconds"] = round(sum(getattr(c.stats, f"{part}_seconds") for c in calls), 4)
+        # broadcasts issued, and tensors sent through buckets because another rank could not send them in place
+        row["cb_store_ops"] = {k: [agree.store_op_counts[k], round(v * 1e3, 2)]  # calls, ms
+                               for k, v in agree.store_op_seconds.items()}
+        # per sync, ms this rank waited in the agreement for the others: who arrives last, unit by unit
+        row["cb_agree_wait_ms"] = [round(c.stats.agree_wait_seconds * 1e3, 2) for c in calls]
+        row.update(cb_inplace_ops=sum(c.stats.inplace_ops for c in calls),
+                   cb_buckets=sum(c.stats.buckets for c in calls), cb_rerouted=sum(c.stats.rerouted for c in calls))
     if ctx.cuda:
         row.update(base_alloc_GiB=gib(base), peak_alloc_GiB=gib(probe.peak_alloc),
                    peak_reserved_GiB=gib(probe.peak_reserved), extra_alloc_GiB=gib(probe.peak_alloc - base),
@@ -273,13 +308,15 @@ def measure(ctx: Ctx, wrap: Callable[[], nn.Module], probe_site: tuple[str, str]
     return wrapped, row
 
 
-# FSDP1's phases per unit besides the sync: materializing (param_init_fn), flattening and sharding.
+# FSDP1's phases per unit: materializing (param_init_fn), the sync (torch's, or ours through install();
+# on the rank that arrives first it includes waiting for the others), flattening and sharding.
 FSDP_TIMERS = ((FSDP_INIT, "_materialize_with_param_init_fn", "init_fn"),
+               (FSDP_INIT, "_sync_module_params_and_buffers", "unit_sync"),
                (FSDP_INIT, "_init_param_handle_from_params", "flatten_shard"))
 
 
 def fsdp_mode(ctx: Ctx, make: Callable[[], nn.Module], unit_types: set, cb: bool, plain_to_empty: bool,
-              tie_names: Optional[tuple[str, str]] = None, windows: bool = True) -> dict:
+              tie_names: Optional[tuple[str, str]] = None, windows: bool = True, profile: bool = False) -> dict:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     model = build(make, on_meta=ctx.rank != 0, device=ctx.device, dtype=ctx.dtype)
@@ -301,7 +338,7 @@ def fsdp_mode(ctx: Ctx, make: Callable[[], nn.Module], unit_types: set, cb: bool
     fsdp, row = measure(ctx, lambda: FSDP(model, auto_wrap_policy=ModuleWrapPolicy(unit_types),
                                           device_id=ctx.device, sync_module_states=True,
                                           param_init_fn=init_fn if ctx.rank else None),
-                        (FSDP_INIT, "_sync_module_params_and_buffers"), cb, windows, FSDP_TIMERS)
+                        (FSDP_INIT, "_sync_module_params_and_buffers"), cb, windows, FSDP_TIMERS, profile)
     row["units"] = len(FSDP.fsdp_modules(fsdp))
     if cb:
         row["units_flattened_in_place"] = coalesced_bcast.fsdp.arena_counts()["flattened_in_place"] - in_place0
@@ -341,11 +378,12 @@ def hf_make(ctx: Ctx, tie: bool) -> tuple[Callable[[], nn.Module], set]:
 def run_mode(ctx: Ctx, mode: str, rep: int = 1) -> dict:
     dims = SMALL if ctx.small else FULL
     make = lambda: Model(**dims)  # noqa: E731
-    if mode in ("fsdp1_base", "fsdp1_cb"):
-        if mode == "fsdp1_base" and not ctx.cuda:
+    if mode in ("fsdp1_base", "fsdp1_cb", "fsdp1_base_profile", "fsdp1_cb_profile"):
+        if mode.startswith("fsdp1_base") and not ctx.cuda:
             return {"skipped": "torch's FSDP1 refuses CPU states with sync_module_states"}
-        return fsdp_mode(ctx, make, {Block}, cb=mode.endswith("_cb"), plain_to_empty=mode.endswith("_base"),
-                         windows=rep == 1)
+        profile = mode.endswith("_profile")  # under cProfile: slower, so not among the timed reps
+        return fsdp_mode(ctx, make, {Block}, cb="_cb" in mode, plain_to_empty="_base" in mode,
+                         windows=rep == 1 and not profile, profile=profile)
     if mode in ("ddp_base", "ddp_cb"):
         return ddp_mode(ctx, make, cb=mode.endswith("_cb"))
     if mode in ("hf_tied", "hf_untied", "hf_tied_to_empty"):
@@ -396,9 +434,10 @@ def summarize(rows: list[dict]) -> dict:
     for kind in ("fsdp1", "ddp"):
         b, c = f"{kind}_base", f"{kind}_cb"
         for rank in ranks:
-            for key in ("seconds", "init_fn_seconds", "flatten_shard_seconds", "cb_agree_seconds",
-                        "cb_enqueue_seconds", "sync_seconds", "extra_alloc_GiB", "extra_reserved_GiB", "sync_peak_alloc_GiB",
-                        "sync_peak_reserved_GiB", "sync_extra_alloc_GiB", "sync_extra_reserved_GiB"):
+            for key in ("seconds", "init_fn_seconds", "unit_sync_seconds", "flatten_shard_seconds",
+                        "cb_agree_seconds", "cb_agree_wait_seconds", "cb_enqueue_seconds", "sync_seconds",
+                        "extra_alloc_GiB", "extra_reserved_GiB", "sync_peak_alloc_GiB", "sync_peak_reserved_GiB",
+                        "sync_extra_alloc_GiB", "sync_extra_reserved_GiB"):
                 vb, vc = get(b, rank, key), get(c, rank, key)
                 if vb is not None or vc is not None:
                     out[f"{kind}.r{rank}.{key}"] = [vb, vc]
@@ -427,10 +466,12 @@ def summarize(rows: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", default=",".join(ALL_MODES), help="comma-separated; default: all, big ones three times")
+    ap.add_argument("--modes", default=",".join(ALL_MODES), help="comma-separated; default: all, FSDP1 five times and DDP three, interleaved")
     ap.add_argument("--out", default=None, help="JSON lines file (default: $OUT/init.jsonl or ./init_bench.jsonl)")
     ap.add_argument("--small", action="store_true", help="scaled-down models (the default on CPU)")
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU even where GPUs exist")
+    ap.add_argument("--profile-dir", default=os.environ.get("LOGS", "."),
+                    help="where the *_profile modes write their cProfile tables, one per rank")
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     out = args.out or (os.path.join(os.environ["OUT"], "init.jsonl") if os.environ.get("OUT") else "init_bench.jsonl")

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck, racecheck and synccheck over a full GPU sync (bench/soak.py --mode
 # sanitize: zoo of every dtype and view, several buckets through a 2-slot ring, in-place tensors, ties,
-# both ranks as source, verify=True, bitwise check). 2 ranks under torchrun --no-python, each rank's
+# both ranks as source, verify=True, bitwise check; then an FSDP-unit-like sync: tensors back to back
+# in one buffer sent as one broadcast, small ones in place on the caller's stream, and a run that the
+# ranks agree to split where one rank's layout differs). 2 ranks under torchrun --no-python, each rank's
 # python wrapped by compute-sanitizer; the three tools run at the same time. Prints one verdict line
 # per tool and exits non-zero on any error, a wrong result or a timeout.
 #

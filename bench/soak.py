@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -292,6 +293,30 @@ def mode_sanitize(args) -> bool:
         ok &= not wrong
         if wrong:
             print(f"rank {rank} src {src}: wrong {wrong}", flush=True)
+        # An FSDP unit: parameters back to back in one buffer (one broadcast for the run), two small
+        # norms in place too (no ring, the caller's stream), and on rank 1 one tensor in its own
+        # allocation, so that the ranks agree on splitting the run there.
+        for split in (False, True):
+            g = torch.Generator().manual_seed(100 + src)
+            sizes = [(64, 256), (32, 256), (256,), (48, 256), (256,)]
+            want = [torch.randn(sz, generator=g).to(device) for sz in sizes]
+            buf = torch.full((sum(math.prod(sz) for sz in sizes),), float(rank), device=device)
+            unit, offset = [], 0
+            for sz in sizes:
+                unit.append(buf[offset:offset + math.prod(sz)].view(sz))
+                offset += math.prod(sz)
+            if split and rank == 1:
+                unit[3] = torch.full(sizes[3], -1.0, device=device)
+            if rank == src:
+                for t, w in zip(unit, want):
+                    t.copy_(w)
+            stats = coalesced_bcast.broadcast_tensors(unit, src, inplace_min_bytes=32 << 10, verify=True)
+            sync(device)
+            wrong = [i for i, (a, b) in enumerate(zip(unit, want)) if not same_bits(a, b)]
+            expect_ops = 3 if split else 1
+            ok &= not wrong and stats.buckets == 0 and stats.inplace_ops == expect_ops
+            if wrong or stats.buckets or stats.inplace_ops != expect_ops:
+                print(f"rank {rank} src {src} unit split={split}: wrong {wrong}, {stats}", flush=True)
     rows = gather_rows(dict(mode="sanitize", rank=rank, ok=ok))
     ok = all(r["ok"] for r in rows)
     if rank == 0:

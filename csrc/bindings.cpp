@@ -18,13 +18,15 @@ Plan build_plan(
     int64_t ring_depth,
     int64_t inplace_min_bytes,
     int64_t coalesce_bytes,
-    int64_t rank) {
+    int64_t rank,
+    int64_t small_inplace_max) {
   PlanOptions o;
   o.bucket_bytes = bucket_bytes;
   o.ring_depth = ring_depth;
   o.inplace_min_bytes = inplace_min_bytes;
   o.coalesce_bytes = coalesce_bytes;
   o.rank = rank;
+  o.small_inplace_max = small_inplace_max;
   return make_plan(tensors, names, o);
 }
 
@@ -64,7 +66,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Test hook: validate_copy_table's message for a copy of the plan with one corrupted field ('' if none)");
   py::class_<Plan>(m, "Plan")
       .def(py::init(&build_plan), py::arg("tensors"), py::arg("names"), py::arg("bucket_bytes"),
-           py::arg("ring_depth"), py::arg("inplace_min_bytes"), py::arg("coalesce_bytes"), py::arg("rank"))
+           py::arg("ring_depth"), py::arg("inplace_min_bytes"), py::arg("coalesce_bytes"), py::arg("rank"),
+           py::arg("small_inplace_max") = 0)
       .def_property_readonly("num_inputs", [](const Plan& p) { return p.input_to_unique.size(); })
       .def_property_readonly("num_unique", [](const Plan& p) { return p.unique.size(); })
       .def_property_readonly("total_bytes", [](const Plan& p) { return p.total_bytes; })
@@ -76,6 +79,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return n;
       })
       .def_property_readonly("inplace_groups", [](const Plan& p) { return p.inplace_groups; })
+      .def_property_readonly("inplace_ops", [](const Plan& p) { return p.inplace_ops; })
       .def_property_readonly("input_to_unique", [](const Plan& p) { return p.input_to_unique; })
       .def_property_readonly("unique_first_input", [](const Plan& p) {
         std::vector<int64_t> v;
@@ -86,6 +90,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("slot_bytes", [](const Plan& p) { return p.slot_bytes; })
       .def("describe", &Plan::describe, py::arg("input"))
       .def("fingerprint", &Plan::fingerprint)
+      .def("routes", &Plan::routes)
+      .def("digest", &Plan::digest)
+      .def("restrict_routes", &Plan::restrict_routes, py::arg("allowed"))
       .def("bucket_table", &bucket_table)
       .def(
           "broadcast",

@@ -18,6 +18,18 @@ at::Tensor as_bytes(const at::Tensor& t) {
   return t.as_strided({t.numel()}, {1}).view(at::kByte);
 }
 
+// `nbytes` from the start of `t`, across the tensors laid out after it in its storage.
+at::Tensor span_bytes(const at::Tensor& t, int64_t nbytes) {
+  return at::empty({0}, t.options().dtype(at::kByte))
+      .set_(t.storage(), t.storage_offset() * t.element_size(), {nbytes}, {1});
+}
+
+int64_t runs_in(const Plan& plan, const std::vector<int64_t>& group) {
+  int64_t runs = 0;
+  for (int64_t u : group) runs += !plan.unique[u].joins_next;
+  return runs;
+}
+
 void check_backend(const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
   // The group's own list of device types: asking getBackend() for a type the
   // group was not made for throws or, on some torch versions, worse.
@@ -28,6 +40,17 @@ void check_backend(const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup
   TORCH_CHECK_VALUE(
       served, plan.describe(0), " is on ", plan.device, " but process group '", pg->getGroupDesc(),
       "' has no backend for ", type, " tensors");
+}
+
+// Receivers' tensors were written behind autograd's back: bump their versions
+// so that a graph that saved one of them refuses to use the old values.
+void finish(const Plan& plan, bool is_src, RunStats& stats, std::chrono::steady_clock::time_point t0) {
+  if (!is_src) {
+    for (const auto& u : plan.unique) {
+      if (u.nbytes > 0 && !u.tensor.is_inference()) u.tensor.unsafeGetTensorImpl()->bump_version();
+    }
+  }
+  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 }  // namespace
@@ -55,8 +78,8 @@ RunStats broadcast_plan(
   opts.rootRank = src;
   opts.rootTensor = 0;
   opts.timeout = timeout;
-  // Sync ops (torch >= 2.8) run on the current stream, which the comm lane's
-  // guard makes ours, and stash nothing. Older torch returns a Work whose
+  // Sync ops (torch >= 2.8) run on the current stream (the caller's, or the
+  // comm lane's under its guard) and stash nothing. Older torch returns a Work whose
   // wait() orders our stream after its internal one; both are handled.
   opts.asyncOp = false;
   auto broadcast = [&](const at::Tensor& bytes) {
@@ -64,17 +87,17 @@ RunStats broadcast_plan(
     if (auto work = pg->broadcast(v, opts)) work->wait();
   };
 
-  auto exec = make_executor(plan);
-  exec->begin();
-  {
-    c10::OptionalStreamGuard comm(exec->stream(Lane::kComm));
+  auto send_inplace = [&]() {
     for (const auto& group : plan.inplace_groups) {
       // One ncclGroupStart/End per group: fewer launches and protocol
       // startups than a broadcast per tensor. gloo has no coalescing.
-      const bool coalesce = cuda && group.size() > 1;
+      const bool coalesce = cuda && runs_in(plan, group) > 1;
       if (coalesce) pg->startCoalescing(plan.device.type());
-      for (int64_t u : group) {
-        std::vector<at::Tensor> v{as_bytes(plan.unique[u].tensor)};
+      for (size_t i = 0; i < group.size(); ++i) {
+        const auto& first = plan.unique[group[i]];
+        int64_t nbytes = first.nbytes;
+        while (plan.unique[group[i]].joins_next) nbytes += plan.unique[group[++i]].nbytes;
+        std::vector<at::Tensor> v{nbytes == first.nbytes ? as_bytes(first.tensor) : span_bytes(first.tensor, nbytes)};
         auto work = pg->broadcast(v, opts);
         if (!coalesce && work) work->wait();
       }
@@ -82,46 +105,52 @@ RunStats broadcast_plan(
         if (auto work = pg->endCoalescing(plan.device.type())) work->wait();
       }
     }
+  };
+
+  if (plan.buckets.empty()) {
+    // Nothing to pack (an FSDP unit, usually): the broadcasts go on the
+    // caller's stream, in its order, with no side streams or events to pay for.
+    send_inplace();
+    finish(plan, is_src, stats, t0);
+    return stats;
+  }
+
+  auto exec = make_executor(plan);
+  exec->begin();
+  {
+    c10::OptionalStreamGuard comm(exec->stream(Lane::kComm));
+    send_inplace();
   }
 
   // One allocation for the ring and its copy table, made on the caller's
   // stream: when it is freed at return, the caller's stream has already been
   // ordered after every use of it (exec->end()).
-  at::Tensor arena;
-  if (!plan.buckets.empty()) {
-    const int64_t ring_bytes = plan.ring_slots * plan.slot_bytes;
-    arena = at::empty({ring_bytes + exec->table_bytes()}, at::TensorOptions().dtype(at::kByte).device(plan.device));
-    stats.ring_bytes = arena.numel();
-    exec->set_table(arena.narrow(0, ring_bytes, exec->table_bytes()));
-    for (int64_t k = 0; k < static_cast<int64_t>(plan.buckets.size()); ++k) {
-      const int64_t s = k % plan.ring_slots;
-      auto slot = arena.narrow(0, s * plan.slot_bytes, plan.buckets[k].nbytes);
-      if (is_src) {
-        exec->wait(Lane::kCopy, s);
-        exec->pack(k, slot);
-        exec->signal(Lane::kCopy, s);
-      }
-      {
-        c10::OptionalStreamGuard comm(exec->stream(Lane::kComm));
-        exec->wait(Lane::kComm, s);
-        broadcast(slot);
-        exec->signal(Lane::kComm, s);
-      }
-      if (!is_src) {
-        exec->wait(Lane::kCopy, s);
-        exec->unpack(k, slot);
-        exec->signal(Lane::kCopy, s);
-      }
+  const int64_t ring_bytes = plan.ring_slots * plan.slot_bytes;
+  auto arena = at::empty({ring_bytes + exec->table_bytes()}, at::TensorOptions().dtype(at::kByte).device(plan.device));
+  stats.ring_bytes = arena.numel();
+  exec->set_table(arena.narrow(0, ring_bytes, exec->table_bytes()));
+  for (int64_t k = 0; k < static_cast<int64_t>(plan.buckets.size()); ++k) {
+    const int64_t s = k % plan.ring_slots;
+    auto slot = arena.narrow(0, s * plan.slot_bytes, plan.buckets[k].nbytes);
+    if (is_src) {
+      exec->wait(Lane::kCopy, s);
+      exec->pack(k, slot);
+      exec->signal(Lane::kCopy, s);
+    }
+    {
+      c10::OptionalStreamGuard comm(exec->stream(Lane::kComm));
+      exec->wait(Lane::kComm, s);
+      broadcast(slot);
+      exec->signal(Lane::kComm, s);
+    }
+    if (!is_src) {
+      exec->wait(Lane::kCopy, s);
+      exec->unpack(k, slot);
+      exec->signal(Lane::kCopy, s);
     }
   }
   exec->end();
-
-  if (!is_src) {
-    for (const auto& u : plan.unique) {
-      if (u.nbytes > 0 && !u.tensor.is_inference()) u.tensor.unsafeGetTensorImpl()->bump_version();
-    }
-  }
-  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  finish(plan, is_src, stats, t0);
   return stats;
 }
 

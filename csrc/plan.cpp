@@ -154,18 +154,56 @@ void lay_out_buckets(Plan& plan) {
 
 void group_inplace(Plan& plan) {
   std::vector<int64_t> group;
-  int64_t bytes = 0;
+  int64_t bytes = 0, ops = 0;
+  plan.inplace_ops = 0;
   for (size_t u = 0; u < plan.unique.size(); ++u) {
-    if (!plan.unique[u].inplace) continue;
+    const auto& t = plan.unique[u];
+    if (!t.inplace) continue;
     group.push_back(static_cast<int64_t>(u));
-    bytes += plan.unique[u].nbytes;
-    if (bytes >= plan.options.coalesce_bytes || group.size() >= kMaxGroupOps) {
+    bytes += t.nbytes;
+    if (t.joins_next) continue;  // a run ends here, not before
+    ++ops;
+    ++plan.inplace_ops;
+    if (bytes >= plan.options.coalesce_bytes || ops >= static_cast<int64_t>(kMaxGroupOps)) {
       plan.inplace_groups.push_back(std::move(group));
       group.clear();
-      bytes = 0;
+      bytes = ops = 0;
     }
   }
   if (!group.empty()) plan.inplace_groups.push_back(std::move(group));
+}
+
+// Back-to-back in-place tensors of one storage go as one broadcast: an FSDP
+// unit laid out in one buffer is one NCCL call, not one per parameter.
+void join_runs(Plan& plan) {
+  auto& u = plan.unique;
+  for (size_t i = 0; i < u.size(); ++i) {
+    u[i].joins_next = u[i].adjacent_next && u[i].inplace && i + 1 < u.size() && u[i + 1].inplace;
+  }
+}
+
+// The route of each tensor from facts every rank with the same structure
+// shares (sizes, and how many tensors are small), narrowed by what this rank's
+// layout allows; routes() lets the agreement check that they match.
+void choose_routes(Plan& plan) {
+  const auto& o = plan.options;
+  int64_t small = 0;
+  for (const auto& u : plan.unique) small += u.nbytes > 0 && u.nbytes < o.inplace_min_bytes;
+  const bool few_small = small <= o.small_inplace_max;
+  for (auto& u : plan.unique) u.inplace = u.eligible && (u.nbytes >= o.inplace_min_bytes || few_small);
+  join_runs(plan);
+}
+
+void lay_out(Plan& plan) {
+  plan.inplace_groups.clear();
+  plan.buckets.clear();
+  plan.ops.clear();
+  plan.op_unique.clear();
+  plan.layouts.clear();
+  plan.packed_bytes = 0;
+  group_inplace(plan);
+  lay_out_buckets(plan);
+  validate_copy_table(plan);
 }
 
 }  // namespace
@@ -256,17 +294,44 @@ Plan make_plan(
     // In place only for whole, aligned 16-byte words: NCCL's LL protocol reads
     // up to a word past the end of a buffer (compute-sanitizer memcheck on H200,
     // NCCL 2.28.9), harmless inside our ring slots but not at a tensor's end.
-    const bool inplace = s.contiguous && s.nbytes > 0 && s.nbytes >= options.inplace_min_bytes &&
-        s.nbytes % kAlign == 0 && s.addr % kAlign == 0;
+    const bool eligible = s.contiguous && s.nbytes > 0 && s.nbytes % kAlign == 0 && s.addr % kAlign == 0;
     plan.input_to_unique.push_back(static_cast<int64_t>(plan.unique.size()));
-    plan.unique.push_back(UniqueTensor{t, i, s.nbytes, s.addr, s.elem_size, s.contiguous, inplace});
+    plan.unique.push_back(UniqueTensor{t, i, s.nbytes, s.addr, s.elem_size, s.contiguous, eligible, false, false, false});
     plan.total_bytes += s.nbytes;
   }
   check_no_overlap(plan);
-  group_inplace(plan);
-  lay_out_buckets(plan);
-  validate_copy_table(plan);
+  for (size_t u = 0; u + 1 < plan.unique.size(); ++u) {
+    auto& a = plan.unique[u];
+    const auto& b = plan.unique[u + 1];
+    a.adjacent_next = a.eligible && b.eligible && a.ptr + static_cast<uintptr_t>(a.nbytes) == b.ptr &&
+        a.tensor.storage().unsafeGetStorageImpl() == b.tensor.storage().unsafeGetStorageImpl();
+  }
+  choose_routes(plan);
+  lay_out(plan);
   return plan;
+}
+
+at::Tensor Plan::routes() const {
+  auto out = at::empty({static_cast<int64_t>(unique.size())}, at::kByte);
+  auto* p = out.data_ptr<uint8_t>();
+  for (const auto& u : unique) *p++ = static_cast<uint8_t>(u.inplace | (u.joins_next << 1));
+  return out;
+}
+
+void Plan::restrict_routes(const at::Tensor& allowed) {
+  TORCH_CHECK_VALUE(
+      allowed.scalar_type() == at::kByte && allowed.is_cpu() && allowed.dim() == 1 &&
+          allowed.numel() == static_cast<int64_t>(unique.size()),
+      "allowed routes must be a cpu uint8 vector of ", unique.size(), " entries (one per unique tensor), got ",
+      allowed.toString(), " of ", allowed.numel());
+  const auto a = allowed.contiguous();
+  const auto* p = a.data_ptr<uint8_t>();
+  for (size_t u = 0; u < unique.size(); ++u) {
+    unique[u].inplace = unique[u].inplace && (p[u] & 1);
+    unique[u].adjacent_next = unique[u].adjacent_next && (p[u] & 2);
+  }
+  join_runs(*this);
+  lay_out(*this);
 }
 
 void validate_copy_table(const Plan& plan) {
@@ -323,16 +388,29 @@ at::Tensor Plan::fingerprint() const {
   return fp;
 }
 
-int64_t hash_words(const at::Tensor& words) {
-  TORCH_CHECK(words.scalar_type() == at::kLong && words.is_contiguous() && words.is_cpu(),
-              "hash_words wants a contiguous cpu int64 tensor, got ", words.toString());
-  const auto* p = words.data_ptr<int64_t>();
+namespace {
+int64_t fnv1a(const int64_t* p, int64_t n) {
   uint64_t h = 1469598103934665603ull;
-  for (int64_t i = 0; i < words.numel(); ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     h ^= static_cast<uint64_t>(p[i]);
     h *= 1099511628211ull;
   }
   return static_cast<int64_t>(h);
+}
+}  // namespace
+
+int64_t hash_words(const at::Tensor& words) {
+  TORCH_CHECK(words.scalar_type() == at::kLong && words.is_contiguous() && words.is_cpu(),
+              "hash_words wants a contiguous cpu int64 tensor, got ", words.toString());
+  return fnv1a(words.data_ptr<int64_t>(), words.numel());
+}
+
+std::tuple<int64_t, int64_t, int64_t> Plan::digest() const {
+  const auto fp = fingerprint();
+  std::vector<int64_t> r;
+  r.reserve(unique.size());
+  for (const auto& u : unique) r.push_back(u.inplace | (u.joins_next << 1));  // as routes(), widened
+  return {fp.numel(), hash_words(fp), fnv1a(r.data(), static_cast<int64_t>(r.size()))};
 }
 
 }  // namespace coalesced_bcast

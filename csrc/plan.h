@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "copy_table.h"
@@ -18,6 +19,9 @@ struct PlanOptions {
   int64_t ring_depth = 3;
   int64_t inplace_min_bytes = 4 << 20;
   int64_t coalesce_bytes = 256 << 20;
+  // A call with at most this many tensors below inplace_min_bytes sends them
+  // in place too: for a handful, an NCCL group op each costs less than a ring.
+  int64_t small_inplace_max = 0;
   int64_t rank = -1;  // this process's rank, for error messages only
 };
 
@@ -28,7 +32,14 @@ struct UniqueTensor {
   uintptr_t ptr;  // address of the first element, read once
   int32_t elem_size;
   bool contiguous;
-  bool inplace;
+  // Can its bytes be broadcast where they are on this rank (contiguous, whole
+  // aligned words)? Local: another rank's copy may be laid out differently.
+  bool eligible;
+  // Does the next unique tensor start where this one ends, in the same
+  // storage (an FSDP unit laid out in one buffer)? Local, like `eligible`.
+  bool adjacent_next;
+  bool inplace;     // the route: in place, else through buckets
+  bool joins_next;  // in place, and sent in one broadcast with the next one
 };
 
 struct Bucket {
@@ -43,7 +54,9 @@ struct Plan {
   std::vector<std::string> names;  // per input, may be empty
   std::vector<int64_t> input_to_unique;
   std::vector<UniqueTensor> unique;
-  std::vector<std::vector<int64_t>> inplace_groups;  // indices into unique
+  // Indices into unique; a run of tensors joined by joins_next never spans two groups.
+  std::vector<std::vector<int64_t>> inplace_groups;
+  int64_t inplace_ops = 0;  // broadcasts of in-place tensors: one per run
   std::vector<Bucket> buckets;
   std::vector<CopyOp> ops;
   std::vector<int64_t> op_unique;  // per op, the unique tensor it copies (host only)
@@ -58,6 +71,16 @@ struct Plan {
   // Structure only (no values): per unique tensor its dtype, shape and bytes,
   // then which unique tensor each input maps to. Equal on ranks that agree.
   at::Tensor fingerprint() const;
+  // Per unique tensor, bit 0: this rank would broadcast it in place; bit 1:
+  // in one broadcast with the next. Ranks must use the same routes, or their
+  // broadcasts would not pair up.
+  at::Tensor routes() const;
+  // What ranks compare first, without building tensors: the fingerprint's
+  // length and hash, and the routes' hash.
+  std::tuple<int64_t, int64_t, int64_t> digest() const;
+  // Keep only what `allowed` (uint8, one per unique tensor: the bitwise AND
+  // of every rank's routes) allows, and lay the buckets out again.
+  void restrict_routes(const at::Tensor& allowed);
 };
 
 // FNV-1a over int64 words (a fingerprint): what ranks compare first, one word each.

@@ -226,18 +226,20 @@ def _fsdp_body(rank, world_size):
     plain_to_empty = lambda m: m.to_empty(device=CPU, recurse=False)  # noqa: E731  (pytorch issue 143181)
     ours = coalesced_bcast.fsdp.param_init_fn
     # (tied, units, param_init_fn on meta ranks, FSDP kwargs, units whose FlatParameter is our buffer
-    # on those ranks: every unit whose parameters were all on meta and laid out as FSDP flattens them)
+    # on the source and on the other ranks: the others' units are laid out in one buffer by our
+    # param_init_fn (or, with another, before the sync), the source's before the sync; a unit of one
+    # parameter is left alone on the source; a padded unit is copied by FSDP as usual)
     cases = [
-        (False, {Block}, ours(CPU), {}, 4),
-        (True, {Block}, ours(CPU), {}, 4),  # embed and head in the root unit
-        (True, {Block, Head}, ours(CPU), {}, 4),  # the tie crosses units: the root's embed is no longer meta
-        (True, {Block}, plain_to_empty, {}, 0),  # split by to_empty: re-tied from the source's names
-        (False, {Block}, ours(CPU), {"use_orig_params": True}, 4),  # no padding needed: all sizes aligned
-        (False, {Block}, ours(CPU), {"use_orig_params": True, "wide_block": 1}, 3),  # wide block padded: copied
+        (False, {Block}, ours(CPU), {}, 4, 4),
+        (True, {Block}, ours(CPU), {}, 4, 4),  # embed and head in the root unit
+        (True, {Block, Head}, ours(CPU), {}, 4, 5),  # the tie crosses units: the root's embed is no longer meta
+        (True, {Block}, plain_to_empty, {}, 4, 4),  # split by to_empty: re-tied from the source's names
+        (False, {Block}, ours(CPU), {"use_orig_params": True}, 4, 4),  # no padding needed: all sizes aligned
+        (False, {Block}, ours(CPU), {"use_orig_params": True, "wide_block": 1}, 3, 3),  # wide block padded
     ]
     coalesced_bcast.install()
     try:
-        for tied, units, init_fn, kw, in_place in cases:
+        for tied, units, init_fn, kw, in_place_src, in_place in cases:
             kw = dict(kw)
             shape = {"wide_block": kw.pop("wide_block")} if "wide_block" in kw else {}
             label = f"FSDP1 tied={tied} units={sorted(u.__name__ for u in units)} init={init_fn} {kw} {shape}"
@@ -251,8 +253,18 @@ def _fsdp_body(rank, world_size):
             calls = coalesced_bcast.patched_calls()
             assert calls and {c.site for c in calls} == {"fsdp1"}, f"{label}: {calls}"
             assert len(calls) == len(FSDP.fsdp_modules(fsdp)), f"{label}: one sync per unit, got {len(calls)}"
-            assert counts["flattened_in_place"] == (in_place if rank else 0), f"{label}: {counts}"
-            assert counts["arenas"] == counts["flattened_in_place"] + counts["flattened_by_copy"], f"{label}: {counts}"
+            assert counts["flattened_in_place"] == (in_place if rank else in_place_src), f"{label}: {counts}"
+            # The same broadcasts on every rank; a block's six parameters, back to back in one buffer on
+            # every rank, go as one (its two buffers are separate tensors: two more).
+            ops = [c.stats.inplace_ops for c in calls]
+            every = [None] * world_size
+            dist.all_gather_object(every, ops)
+            assert all(o == ops for o in every), f"{label}: {every}"
+            assert ops[:3] == ([3, 1, 3] if shape else [3, 3, 3]), f"{label}: {ops}"
+            assert counts["arenas"] == counts["flattened_in_place"] + counts["flattened_by_copy"] + \
+                counts["superseded"], f"{label}: {counts}"
+            # a unit re-tied after to_empty is laid out again, its first buffer superseded
+            assert counts["superseded"] == (1 if init_fn is plain_to_empty and rank else 0), f"{label}: {counts}"
             assert_same(_full_states(fsdp), want, label, rank)
             if tied:
                 inner = fsdp.module

@@ -96,6 +96,59 @@ def test_inplace_threshold_and_coalesced_groups():
     assert p.num_inplace == 1 and p.inplace_groups == [[1]]
 
 
+def test_a_few_small_tensors_go_in_place_with_the_large_ones():
+    big = [torch.zeros(2048) for _ in range(2)]  # 8 KiB each
+    small = [torch.zeros(4) for _ in range(3)]  # 16 bytes each
+    few = _C.Plan(big + small, [], 4 * KIB, 3, 4 * KIB, 1 << 30, 0, 3)
+    assert few.num_inplace == 5 and few.num_buckets == 0 and few.inplace_groups == [[0, 1, 2, 3, 4]]
+    many = _C.Plan(big + small, [], 4 * KIB, 3, 4 * KIB, 1 << 30, 0, 2)  # 3 small > 2: the ring
+    assert many.num_inplace == 2 and many.num_buckets == 1 and many.packed_bytes == 3 * 16
+    # counted by size alone (the same on every rank with the same structure); those that cannot go
+    # in place (here: 12 bytes, not whole 16-byte words) still count, and go through the ring
+    odd = _C.Plan(big + small[:2] + [torch.zeros(3)], [], 4 * KIB, 3, 4 * KIB, 1 << 30, 0, 3)
+    assert odd.num_inplace == 4 and odd.routes().tolist() == [1, 1, 1, 1, 0]
+
+
+def test_routes_are_restricted_to_what_every_rank_allows():
+    ts = [torch.zeros(1024) for _ in range(4)]  # 4 KiB each
+    p = plan(ts, inplace=4 * KIB)
+    assert p.routes().tolist() == [1, 1, 1, 1] and p.num_buckets == 0
+    # another rank has tensor 2 transposed or unaligned: it goes through the ring here too
+    p.restrict_routes(torch.tensor([1, 1, 0, 1], dtype=torch.uint8))
+    assert p.routes().tolist() == [1, 1, 0, 1] and p.num_inplace == 3 and p.packed_bytes == 4 * KIB
+    assert p.num_buckets == 1 and [r[1] for r in runs(p)] == [2]
+    # routes only ever narrow: allowing more than this rank can do changes nothing
+    p.restrict_routes(torch.ones(4, dtype=torch.uint8))
+    assert p.routes().tolist() == [1, 1, 0, 1]
+    # a tensor this rank already sends through buckets does not shift the mask onto its neighbours
+    q = plan([torch.zeros(32, 32).t(), torch.zeros(1024), torch.zeros(1024)], inplace=4 * KIB)
+    assert q.routes().tolist() == [0, 1, 1]
+    q.restrict_routes(torch.tensor([1, 1, 0], dtype=torch.uint8))
+    assert q.routes().tolist() == [0, 1, 0]
+    with pytest.raises(ValueError, match="one per unique tensor"):
+        p.restrict_routes(torch.ones(3, dtype=torch.uint8))
+
+
+def test_back_to_back_tensors_of_one_buffer_go_as_one_broadcast():
+    buf = torch.zeros(4096)
+    views = [buf[0:1024].view(32, 32), buf[1024:2048], buf[2048:3072], buf[3072:4096]]  # 4 KiB each
+    p = plan(views, inplace=4 * KIB)
+    assert p.routes().tolist() == [3, 3, 3, 1]  # in place (bit 0), joined to the next (bit 1)
+    assert p.num_inplace == 4 and p.inplace_ops == 1 and p.inplace_groups == [[0, 1, 2, 3]]
+    # another rank has them in separate allocations from tensor 2 on: the run stops there everywhere
+    p.restrict_routes(torch.tensor([3, 1, 1, 1], dtype=torch.uint8))
+    assert p.routes().tolist() == [3, 1, 1, 1] and p.inplace_ops == 3
+    # a gap, another storage, or a tensor that goes through buckets ends a run
+    other = torch.zeros(1024)
+    q = plan([buf[0:1024], buf[1040:2064], other, buf[2064:3088]], inplace=4 * KIB)
+    assert q.routes().tolist() == [1, 1, 1, 1] and q.inplace_ops == 4
+    r = plan([buf[0:1024], buf[1024:1028], buf[1028:2052]], inplace=4 * KIB)  # 16 bytes in the middle: packed
+    assert r.routes().tolist() == [1, 0, 1] and r.inplace_ops == 2 and r.num_buckets == 1
+    # a run is never split by the group size: groups close after a run ends
+    s = plan(views + [torch.zeros(1024)], inplace=4 * KIB, coalesce=4 * KIB)
+    assert s.inplace_groups == [[0, 1, 2, 3], [4]] and s.inplace_ops == 2
+
+
 def test_ring_is_bounded_by_depth_and_shrinks_to_the_data():
     ts = [torch.zeros(1000) for _ in range(40)]  # 160 KB: 40 buckets of 4 KiB
     p = plan(ts, depth=3)
@@ -127,6 +180,15 @@ def test_options_are_checked():
         plan([torch.zeros(2)], bucket=1000)
     with pytest.raises(ValueError, match="ring_depth"):
         plan([torch.zeros(2)], depth=0)
+
+
+def test_digest_matches_the_fingerprint_and_routes():
+    buf = torch.zeros(4096)
+    p = plan([buf[:2048], buf[2048:], torch.zeros(3)], inplace=4 * KIB)
+    fp = p.fingerprint()
+    assert p.digest() == (fp.numel(), _C.hash_words(fp), _C.hash_words(p.routes().long()))
+    q = plan([buf[:2048], torch.zeros(2048), torch.zeros(3)], inplace=4 * KIB)  # same structure, not joined
+    assert q.digest()[:2] == p.digest()[:2] and q.digest()[2] != p.digest()[2]
 
 
 def test_fingerprint_captures_structure_not_values():

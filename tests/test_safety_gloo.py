@@ -91,15 +91,26 @@ def _agreement_body_checks(rank, world_size):
             plan = _C.Plan(tensors, names, 4096, 2, 1 << 40, 0, rank)
             seq0 = pg._get_sequence_number_for_group()
             ops.clear()
-            check_agreement(plan, None, pg, 0, names)
+            assert check_agreement(plan, None, pg, 0, names) is None
             assert pg._get_sequence_number_for_group() == seq0
-            # compare_set, set/wait+get of the source's hash, add, set (the last to arrive), wait+get, and
-            # on the source from the third agreement on the removal of four keys of the one before last
-            limit = 7 + (4 if rank == 0 and i >= 2 else 0)
-            assert len(ops) <= limit and all(size < 200 for _, size in ops), ops
+            # Every rank: one compare_set (publish or read the record). Two ranks: the second to arrive
+            # sends the verdict (a set, no reply awaited), the first waits for it (wait, get) and, from
+            # the third agreement on, removes the keys of the one before last (two). More ranks: an
+            # add each, then the last sets the verdict and the others wait for it; three keys removed.
+            names_ = [name for name, _ in ops]
+            every = [None] * world_size
+            dist.all_gather_object(every, names_)
+            if world_size == 2:
+                assert sorted(every, key=len)[0] == ["compare_set", "set"], every
+                assert sorted(every, key=len)[1] == ["compare_set"] + ["delete_key"] * (2 if i >= 2 else 0) + \
+                    ["wait", "get"], every
+            else:
+                assert sum("set" in e for e in every) == 1, every  # the last to add (not always the last to arrive)
+                assert len(ops) <= 2 + 2 + (3 if i >= 2 else 0), ops
+            assert all(size < 200 for _, size in ops), ops
         seq0 = pg._get_sequence_number_for_group()
         stats = coalesced_bcast.broadcast_tensors(tensors, 0, names=names, bucket_bytes=4096)
-        assert pg._get_sequence_number_for_group() - seq0 == stats.buckets + stats.inplace_tensors
+        assert pg._get_sequence_number_for_group() - seq0 == stats.buckets + stats.inplace_ops
     finally:
         agree._group_store = real_store
     assert same_bits(tensors[1], _filled((4, 6), torch.float32, 10))
@@ -123,7 +134,7 @@ def _agreement_body_checks(rank, world_size):
         assert calls == [512], calls
         seq0 = pg._get_sequence_number_for_group()
         stats = coalesced_bcast.broadcast_tensors(tensors, 0, names=names, bucket_bytes=4096)
-        assert pg._get_sequence_number_for_group() - seq0 == 1 + stats.buckets + stats.inplace_tensors
+        assert pg._get_sequence_number_for_group() - seq0 == 1 + stats.buckets + stats.inplace_ops
     finally:
         agree.all_gather = real
         del os.environ[agree._STORE_ENV]
@@ -195,6 +206,42 @@ def _agreement_body(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_agreement_mismatch_raises_everywhere_before_any_byte(world_size):
     run_ranks(world_size, _agreement_body)
+
+
+def _routes_body(rank, world_size):
+    try:
+        odd = world_size - 1  # the rank whose copies are laid out differently
+        want = [_filled((64, 64), torch.float32, 1), _filled((1024,), torch.float32, 2), _filled((4,), torch.float32, 3)]
+        for store_max in ("64", "0"):  # through the store, through a collective
+            os.environ[agree._STORE_ENV] = store_max
+            for layout in ("transposed", "unaligned", "same", "one buffer", "one buffer but one rank"):
+                mine = [x.clone() if rank == 0 else torch.full_like(x, -1.0) for x in want]
+                if rank == odd and layout == "transposed":  # same shape, not contiguous
+                    mine[0] = mine[0].t().contiguous().t()
+                if rank == odd and layout == "unaligned":  # contiguous, but 4 bytes off a 16-byte boundary
+                    mine[1] = torch.full((1025,), -1.0)[1:]
+                if layout == "one buffer" or (layout == "one buffer but one rank" and rank != odd):
+                    buf = torch.cat([mine[0].reshape(-1), mine[1]])  # w and v back to back: one broadcast
+                    mine[:2] = [buf[:4096].view(64, 64), buf[4096:]]
+                stats = coalesced_bcast.broadcast_tensors(mine, 0, names=["w", "v", "s"], inplace_min_bytes=4096,
+                                                          small_inplace_max=0)
+                assert all(same_bits(a, b) for a, b in zip(mine, want)), (rank, layout, store_max)
+                expect = 1 if layout in ("transposed", "unaligned") and rank != odd else 0
+                assert stats.rerouted == expect, (rank, layout, stats)
+                # every rank sends the same tensors in place, whoever could not, in as many broadcasts
+                assert stats.inplace_tensors == (1 if layout in ("transposed", "unaligned") else 2), (rank, layout)
+                assert stats.inplace_ops == (1 if layout == "one buffer" else stats.inplace_tensors), (rank, layout)
+        del os.environ[agree._STORE_ENV]
+    finally:
+        gc.collect()  # see _COLLECT_NOTE
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_layouts_that_differ_between_ranks_are_routed_alike(world_size):
+    """A tensor contiguous and aligned on one rank but not another (a transposed or offset copy of the
+    same shape) must go through buckets on every rank: before the fix the ranks' broadcasts did not
+    pair up and the receivers ended with wrong bytes."""
+    run_ranks(world_size, _routes_body)
 
 
 class Tiny(nn.Module):

@@ -1,10 +1,16 @@
 """Agreement before any payload byte moves: every rank learns whether every rank can take part, names
 the same source and holds the source's structure, and on any failure every rank raises the same error.
 
-Cost when all is well, whatever the model's size: for groups of up to STORE_MAX_RANKS ranks, five
-small round trips per rank to the group's c10d store (the source's fingerprint hash, one counter);
-for larger groups, one all_gather of a 512-byte record per rank. Only when a fingerprint differs does
-the source send its whole fingerprint and the ranks that differ say where.
+Cost when all is well, whatever the model's size: for groups of up to STORE_MAX_RANKS ranks, one or
+two small round trips per rank to the group's c10d store (with two ranks, the second to arrive makes
+one round trip and sends one message); for larger groups, one all_gather of a 512-byte record per
+rank. Only when a fingerprint differs does the source send its whole fingerprint and the ranks that
+differ say where.
+
+The agreement also settles which tensors go in place: a tensor contiguous and aligned on one rank
+may not be on another (a transposed copy, an offset in a shared buffer), and every rank must send
+the same tensors the same way or the broadcasts do not pair up. Ranks compare a hash of their routes;
+only if they differ do they exchange them and all take the tensors every rank can send in place.
 
 Timeouts: store waits and gloo honour a per-call deadline and raise; a failed wait or collective
 becomes a CollectiveError here. NCCL takes every collective's deadline from its group's
@@ -20,6 +26,7 @@ deadline and raises CollectiveError itself, on time; the watchdog still ends the
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -35,8 +42,8 @@ from . import _C
 
 logger = logging.getLogger(__name__)
 
-_RECORD = 512  # bytes per rank: 4 int64 of header, then a UTF-8 message
-_HEADER = 32
+_RECORD = 512  # bytes per rank: 6 int64 of header, then a UTF-8 message
+_HEADER = 48
 _OK, _REFUSED = 0, 1
 
 
@@ -217,9 +224,9 @@ def backend_problem(pg: dist.ProcessGroup, device: Optional[torch.device]) -> Op
             f"for {device.type} tensors")
 
 
-def _record(status: int, fp_len: int, fp_hash: int, src: int, message: str) -> torch.Tensor:
+def _record(status: int, fp_len: int, fp_hash: int, src: int, message: str, routes_hash: int = 0) -> torch.Tensor:
     rec = torch.zeros(_RECORD, dtype=torch.uint8)
-    rec[:_HEADER].view(torch.int64)[:] = torch.tensor([status, fp_len, fp_hash, src])
+    rec[:_HEADER].view(torch.int64)[:] = torch.tensor([status, fp_len, fp_hash, src, routes_hash, 0])
     raw = message.encode()[: _RECORD - _HEADER]
     rec[_HEADER:_HEADER + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else rec[:0]
     return rec
@@ -290,13 +297,19 @@ def control_stream(device: torch.device) -> Iterator[None]:
 
 def check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup, src: Optional[int],
                     names: Sequence[str], *, timeout: Optional[float | timedelta] = None,
-                    device: Optional[torch.device] = None) -> None:
+                    device: Optional[torch.device] = None, timing: Optional[dict] = None) -> Optional[torch.Tensor]:
     """Raise the same AgreementError on every rank unless every rank planned the source's structure.
 
     `src` is the source's group rank (None when this rank could not resolve it: then `error` says why).
     `device` is where this rank's tensors live; a group without a backend for it is a refusal too.
     A rank that dies or does not arrive within `timeout` (default: the group's) makes the others raise
     CollectiveError.
+
+    Returns None when every rank would route every tensor as this one does; else the routes every
+    rank can take (``plan.routes()`` of all ranks, ANDed), for ``plan.restrict_routes``: the same on
+    every rank. Routes differ where a tensor is contiguous and aligned on one rank and not another.
+    `timing`, if given, receives "wait_seconds": how long this rank waited for the others (store
+    agreement; the collective one does not tell waiting from working).
     """
     timeout = as_timedelta(timeout)
     if error is None:
@@ -307,11 +320,15 @@ def check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup,
     if store is not None:
         seq = _store_seq.get(pg, 0)
         _store_seq[pg] = seq + 1
-        _StoreAgreement(store, seq, pg, timeout).run(plan, error, src, names)
-        return
+        agreement = _StoreAgreement(store, seq, pg, timeout)
+        try:
+            return agreement.run(plan, error, src, names)
+        finally:
+            if timing is not None:
+                timing["wait_seconds"] = agreement.waited
     cdev = control_device(pg)
     with control_stream(cdev):
-        _check_agreement(plan, error, pg, src, names, timeout, cdev)
+        return _check_agreement(plan, error, pg, src, names, timeout, cdev)
 
 
 # ------------------------------------------------------------------------------ over the group's store
@@ -319,14 +336,21 @@ def check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup,
 #: Groups of at most this many ranks agree through the c10d store every group has, larger ones through
 #: a collective on the group (environment: COALESCED_BCAST_STORE_AGREEMENT_MAX_RANKS).
 #: Why: on NCCL the collective queues behind the previous sync's payload on the group's one stream and
-#: is read back through device memory: 1.3-1.5 ms per agreement right after a 0.4 GiB payload, 0.6 ms
-#: alone, on 2x H200, against 0.19 ms for the store's five round trips; FSDP1 agrees once per unit.
-#: But the store is one server that sees about five requests per rank per agreement, so beyond a few
-#: nodes the collective, whose cost grows with log(ranks), is the better default.
+#: is read back through device memory: 1.2-1.3 ms per agreement right after a 0.4 GiB payload, 0.3 ms
+#: alone, on 2x H200, against one store round trip for the last rank to arrive; FSDP1 agrees once per
+#: unit. But the store is one server that sees a few requests per rank per agreement, so beyond a
+#: few nodes the collective, whose cost grows with log(ranks), is the better default.
 STORE_MAX_RANKS = 64
 _STORE_ENV = "COALESCED_BCAST_STORE_AGREEMENT_MAX_RANKS"
-_BAD = 1 << 32  # added to the arrival count by a rank that found a problem
+# Verdict flags, added to the arrival count: a rank whose layout routes differ, a rank with a problem.
+_ROUTES = 1 << 20
+_BAD = 1 << 40
 _store_seq: "weakref.WeakKeyDictionary[dist.ProcessGroup, int]" = weakref.WeakKeyDictionary()
+#: Seconds and calls per store operation (compare_set, set, wait, ...) of every agreement in this process,
+#: for benchmarks: how much of the agreement is the store's round trips.
+store_op_seconds: dict[str, float] = {}
+store_op_counts: dict[str, int] = {}
+_own_keys: "weakref.WeakKeyDictionary[dist.ProcessGroup, list]" = weakref.WeakKeyDictionary()
 
 
 def store_max_ranks() -> int:
@@ -340,18 +364,31 @@ def _group_store(pg: dist.ProcessGroup):
         return None
 
 
+def _structure_and_routes(plan, error: Optional[BaseException], named: int) -> tuple[str, str]:
+    """What ranks compare: the named source and the fingerprint's length and hash, then the routes' hash."""
+    if error is not None:
+        return f"{named}|refused", ""
+    fp_len, fp_hash, routes_hash = plan.digest()
+    return f"{named}|{fp_len} {fp_hash}", str(routes_hash)
+
+
 class _StoreAgreement:
     """One agreement through the group's store. Keys are unique per agreement (a per-group counter
     that every rank advances in the same order, as it calls collectives in the same order); the
-    source removes those of the agreement before the previous one, which every rank has left.
+    first rank to arrive removes those of the agreement before the previous one, which every rank
+    has left.
 
-    1. The first rank to publish a source name fixes it; a rank that names another flags itself.
-    2. The source publishes its fingerprint's length and hash; every other rank compares its own.
-    3. Every rank adds 1 to a counter (plus _BAD if it found a problem); the last to arrive publishes
-       the total, which every rank waits for: the verdict.
-    4. Only on a verdict of disagreement: the refusal or the source naming of the lowest rank that
-       flagged one is raised; failing those the source publishes its whole fingerprint, the ranks
-       that differ describe the first difference, and the lowest rank's description is raised.
+    1. Each rank publishes its record (named source, fingerprint hash, routes hash) unless another
+       rank did first (one compare-and-set), and compares its own with the one that is there.
+    2. The verdict: with two ranks, the second to arrive knows it and publishes it (one message, not
+       a round trip: on FSDP1 the second is the rank that materialized the unit, the slower one);
+       with more, every rank adds 1 to a counter (plus a flag for what it found), and the last
+       publishes the total. The others wait for it.
+    3. Only when routes differ (a tensor some rank cannot send in place: another layout or alignment):
+       every rank publishes which tensors it can send in place and all take those every rank can.
+    4. Only on a problem: the refusal or the source naming of the lowest rank that flagged one is
+       raised; failing those the source publishes its whole fingerprint, the ranks that differ
+       describe the first difference, and the lowest rank's description is raised.
     """
 
     def __init__(self, store, seq: int, pg: dist.ProcessGroup, timeout: Optional[timedelta]):
@@ -359,11 +396,13 @@ class _StoreAgreement:
         self.limit = _deadline(pg, timeout).total_seconds()
         self.t0 = time.monotonic()
         self.rank = dist.get_rank()
+        self.waited = 0.0  # seconds blocked until other ranks had written what this one needed
 
     def _key(self, name: str, seq: Optional[int] = None) -> str:
         return f"coalesced_bcast/agree/{self.seq if seq is None else seq}/{name}"
 
     def _op(self, fn, *args):
+        t = time.perf_counter()
         try:
             return fn(*args)
         except RuntimeError as e:  # DistStoreError: a deadline passed, or the store went away with its host
@@ -372,14 +411,23 @@ class _StoreAgreement:
                 f"coalesced_bcast: the agreement over {self.pg.size()} ranks failed on rank {self.rank} after "
                 f"{time.monotonic() - self.t0:.1f} s (limit: {limit}): a rank died, did not call the sync in time, "
                 f"or called another collective. The group is unusable now. Cause: {e}") from e
+        finally:
+            name = getattr(fn, "__name__", "op")
+            store_op_seconds[name] = store_op_seconds.get(name, 0.0) + time.perf_counter() - t
+            store_op_counts[name] = store_op_counts.get(name, 0) + 1
 
     def raw(self, name: str) -> bytes:
         """The value of `name` once some rank has set it, waiting no longer than the deadline."""
-        left = self.limit - (time.monotonic() - self.t0)
+        self.wait([name])
+        return self._op(self.store.get, self._key(name))
+
+    def wait(self, names: list[str]) -> None:
+        t = time.monotonic()
+        left = self.limit - (t - self.t0)
         if left <= 0:
             self._op(self._expired)
-        self._op(self.store.wait, [self._key(name)], timedelta(seconds=left))
-        return self._op(self.store.get, self._key(name))
+        self._op(self.store.wait, [self._key(n) for n in names], timedelta(seconds=left))
+        self.waited += time.monotonic() - t
 
     def get(self, name: str) -> str:
         return self.raw(name).decode(errors="replace")
@@ -407,33 +455,78 @@ class _StoreAgreement:
         value = self.get(name)
         return int(value[:10]), value[11:]
 
-    def run(self, plan, error: Optional[BaseException], src: Optional[int], names: Sequence[str]) -> None:
+    def barrier(self, name: str) -> None:
+        if self.add(f"arrived{name}", 1) == self.pg.size():
+            self.set(f"done{name}", "1")
+        else:
+            self.get(f"done{name}")
+
+    def clean_up(self, n: int) -> None:
+        """Keys of the agreement before the previous one: every rank has left it, as every rank has
+        arrived at the previous one. Route keys are removed by the rank that wrote them."""
+        if self.seq >= 2:
+            for k in ("ref", "done") + (("arrived",) if n != 2 else ()):
+                self._op(self.store.delete_key, self._key(k, self.seq - 2))
+
+    def run(self, plan, error: Optional[BaseException], src: Optional[int],
+            names: Sequence[str]) -> Optional[torch.Tensor]:
         n = self.pg.size()
-        ranks = dist.get_process_group_ranks(self.pg)
-        named = ranks[src] if src is not None else -1
+        mine = _own_keys.setdefault(self.pg, [])
+        while mine and mine[0][0] <= self.seq - 2:
+            self._op(self.store.delete_key, mine.pop(0)[1])
+        named = dist.get_process_group_ranks(self.pg)[src] if src is not None else -1
+        structure, routes = _structure_and_routes(plan, error, named)
+        record = f"{self.rank}#{structure}#{routes}"
+        cur = self._op(self.store.compare_set, self._key("ref"), "", record).decode(errors="replace")
+        first = cur == record
+        _, ref_structure, ref_routes = cur.split("#")
+        bad = error is not None or ref_structure != structure
+        flags = _BAD if bad else (_ROUTES if ref_routes != routes else 0)
+        verdict = None
+        if n == 2 and not first:
+            verdict = flags
+            self.set("done", str(verdict))
+        elif n != 2:
+            total = self.add("arrived", 1 + flags)
+            if total % _ROUTES == n:
+                verdict = total - n
+                self.set("done", str(verdict))
+        if first:  # it waits for the others anyway (unless it is alone)
+            self.clean_up(n)
+        if verdict is None:
+            verdict = int(self.get("done"))
+        if verdict == 0:
+            return None
+        if verdict < _BAD:
+            return self.common_routes(plan.routes())
+        self.explain(plan, error, named, names)
+
+    def common_routes(self, routes: torch.Tensor) -> torch.Tensor:
+        """The routes every rank can take: the bitwise AND of theirs (every rank's structure is the
+        same, so is their length)."""
+        n = self.pg.size()
+        self.set(f"routes/{self.pg.rank()}", routes.numpy().tobytes())
+        _own_keys[self.pg].append((self.seq, self._key(f"routes/{self.pg.rank()}")))
+        self.wait([f"routes/{r}" for r in range(n)])
+        allowed = routes.clone()
+        for r in range(n):
+            if r != self.pg.rank():
+                theirs = torch.frombuffer(bytearray(self._op(self.store.get, self._key(f"routes/{r}"))),
+                                          dtype=torch.uint8)
+                allowed &= theirs
+        return allowed
+
+    def explain(self, plan, error: Optional[BaseException], named: int, names: Sequence[str]) -> None:
+        """Some rank flagged a problem: raise the same AgreementError on every rank, saying which."""
         first = int(self._op(self.store.compare_set, self._key("src_rank"), "", str(named)))
-        is_src = self.rank == first
         fp = plan.fingerprint() if error is None else None
-        header = "refused" if fp is None else f"{fp.numel()} {_C.hash_words(fp)}"
-        if is_src:
-            self.set("src", header)
         if error is not None:
             self.keep_lowest("refused", f"{type(error).__name__}: {error}")
         elif named != first:
             self.keep_lowest("sources", f"rank {self.rank} names {named}, another rank named {first}")
-        differs = False
-        if error is None and named == first and not is_src:
-            source = self.get("src")
-            differs = source != "refused" and source != header
-        flagged = error is not None or named != first or differs
-        total = self.add("arrived", 1 + (_BAD if flagged else 0))
-        if total % _BAD == n:
-            self.set("done", str(total))
-        if is_src and self.seq >= 2:  # every rank has left that one: it has arrived at this one
-            for k in ("src_rank", "src", "arrived", "done"):
-                self._op(self.store.delete_key, self._key(k, self.seq - 2))
-        if int(self.get("done")) < _BAD:
-            return
+        elif named == self.rank:
+            self.set("fingerprint", fp.numpy().tobytes())
+        self.barrier("2")
         if self.exists("refused"):
             r, msg = self.lowest("refused")
             raise AgreementError(f"coalesced_bcast: rank {r} refused its input, so no rank sent anything: {msg}") \
@@ -441,17 +534,17 @@ class _StoreAgreement:
         if self.exists("sources"):
             _, msg = self.lowest("sources")
             raise AgreementError(f"coalesced_bcast: the ranks name different sources, so no rank sent anything: {msg}")
-        if is_src:
-            self.set("fingerprint", fp.numpy().tobytes())
-        if differs:
-            src_fp = torch.frombuffer(bytearray(self.raw("fingerprint")), dtype=torch.int64)
+        # Every rank names the same source and none refused: the source has published its fingerprint.
+        src_fp = torch.frombuffer(bytearray(self.raw("fingerprint")), dtype=torch.int64)
+        if not torch.equal(src_fp, fp):
             self.keep_lowest("difference", first_difference(src_fp, fp, names, self.rank))
-        if self.add("arrived2", 1) == n:
-            self.set("done2", "1")
-        self.get("done2")
-        r, msg = self.lowest("difference")
-        raise AgreementError(
-            f"coalesced_bcast: rank {r} does not match source rank {first}, so no rank sent anything: {msg}")
+        self.barrier("3")
+        if self.exists("difference"):
+            r, msg = self.lowest("difference")
+            raise AgreementError(
+                f"coalesced_bcast: rank {r} does not match source rank {named}, so no rank sent anything: {msg}")
+        raise AgreementError(f"coalesced_bcast: the ranks' fingerprint hashes differ but no rank found a difference "
+                             f"from source rank {named}'s fingerprint")
 
 
 def _check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup, src: Optional[int],
@@ -465,7 +558,8 @@ def _check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup
         fp = None
     else:
         fp = plan.fingerprint()
-        rec = _record(_OK, fp.numel(), _C.hash_words(fp), src_global, "")
+        fp_len, fp_hash, routes_hash = plan.digest()
+        rec = _record(_OK, fp_len, fp_hash, src_global, "", routes_hash)
     table = _gather(rec, pg, cdev, timeout)
     heads = table[:, :_HEADER].contiguous().view(torch.int64)
     refused = [r for r in range(pg.size()) if int(heads[r, 0]) == _REFUSED]
@@ -480,7 +574,11 @@ def _check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup
         raise AgreementError(f"coalesced_bcast: the ranks name different sources, so no rank sent anything: {named}")
     src_len, src_hash = int(heads[src, 1]), int(heads[src, 2])
     if all(int(heads[r, 1]) == src_len and int(heads[r, 2]) == src_hash for r in range(pg.size())):
-        return
+        if len({int(heads[r, 4]) for r in range(pg.size())}) == 1:
+            return None
+        # Same structure, other routes: every rank's routes (one byte per unique tensor, as many on
+        # every rank), and what every rank can do.
+        return functools.reduce(torch.bitwise_and, _gather(plan.routes(), pg, cdev, timeout).unbind(0))
     src_fp = fp.clone() if pg.rank() == src else torch.empty(src_len, dtype=torch.int64)
     src_fp = src_fp.to(cdev)
     t0 = time.monotonic()

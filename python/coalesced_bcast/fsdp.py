@@ -132,21 +132,75 @@ def _freed(t: torch.Tensor) -> bool:
     return t.numel() > 0 and t.untyped_storage().nbytes() == 0
 
 
-def _unit_params(modules: list[nn.Module]) -> tuple[list[nn.Parameter], list[tuple[nn.Module, str, nn.Parameter]]]:
-    """The unit's meta parameters in FSDP1's flatten order (``named_modules(remove_duplicate=False)``
-    from the unit's root, each module's own parameters, first occurrence), and every module slot
-    holding one of them."""
-    inside = set(modules)
+Slots = list[tuple[nn.Module, str, nn.Parameter]]
+
+
+def _flatten_order(root: Optional[nn.Module], take) -> tuple[list[nn.Parameter], Slots]:
+    """The parameters ``take(module, param)`` selects under ``root``, in FSDP1's flatten order
+    (``named_modules(remove_duplicate=False)`` from the unit's root, each module's own parameters,
+    first occurrence), and every module slot holding one of them."""
     order: dict[int, nn.Parameter] = {}
     slots = []
-    for _, module in modules[0].named_modules(remove_duplicate=False) if modules else ():
-        if module not in inside:
-            continue
+    for _, module in root.named_modules(remove_duplicate=False) if root is not None else ():
         for key, p in module._parameters.items():
-            if p is not None and p.is_meta:
+            if p is not None and take(module, p):
                 order.setdefault(id(p), p)
                 slots.append((module, key, p))
     return list(order.values()), slots
+
+
+def _unit_params(modules: list[nn.Module]) -> tuple[list[nn.Parameter], Slots]:
+    """The unit's meta parameters (``modules``: the unit's root first), in FSDP1's flatten order."""
+    inside = set(modules)
+    return _flatten_order(modules[0] if modules else None, lambda m, p: m in inside and p.is_meta)
+
+
+def _fill_one_buffer(order: list[torch.Tensor]) -> bool:
+    """The tensors are one storage, whole: each contiguous and starting where the one before ends."""
+    storage, offset = order[0].untyped_storage(), 0
+    for p in order:
+        if (p.untyped_storage().data_ptr() != storage.data_ptr() or p.storage_offset() != offset
+                or not p.is_contiguous()):
+            return False
+        offset += p.numel()
+    return offset * order[0].element_size() == storage.nbytes()
+
+
+def lay_out_unit(root: nn.Module, params: list[nn.Parameter]) -> bool:
+    """Copy a unit's parameters (FSDP1's managed list ``params``) into one buffer, back to back in
+    FSDP1's flatten order, and point the unit's modules and ``params`` (edited in place) at them.
+
+    Called by ``install()`` before a unit's sync on every rank whose unit is not laid out so already
+    (the source, which built the model itself): with both sides in one buffer, the unit is one
+    broadcast rather than one per parameter, and FSDP1's flatten uses the buffer instead of copying
+    into a new one (see :func:`flatten_in_place`). Values are copied, not moved: if the sync then
+    fails, the model is as it was. The old tensors are freed unless something else holds them (a
+    tie to a module outside the unit keeps its old tensor, as FSDP1 keeps it for such ties).
+    Returns whether it laid the unit out; a unit of several dtypes, or of parameter subclasses, or
+    already laid out, is left alone.
+    """
+    keep = {id(p) for p in params}
+    order, slots = _flatten_order(root, lambda m, p: id(p) in keep)
+    if (len(order) < 2 or len(order) != len(keep) or _fill_one_buffer(order)
+            or any(type(p) is not nn.Parameter or p.is_meta for p in order)
+            or len({(p.dtype, p.device) for p in order}) != 1):
+        return False
+    with torch.no_grad():
+        arena = torch.empty(sum(p.numel() for p in order), dtype=order[0].dtype, device=order[0].device)
+        torch.cat([p.reshape(-1) for p in order], out=arena)
+    new: dict[int, nn.Parameter] = {}
+    offset = 0
+    for p in order:
+        n = p.numel()
+        q = nn.Parameter(arena[offset:offset + n].view(p.shape), p.requires_grad)
+        q.__dict__.update(p.__dict__)  # attributes a user or a library set on the parameter
+        new[id(p)] = q
+        offset += n
+    for module, key, p in slots:
+        module._parameters[key] = new[id(p)]
+    params[:] = [new[id(p)] for p in params]
+    _register_arena(arena, [new[id(p)] for p in order])
+    return True
 
 
 @dataclass
@@ -158,11 +212,14 @@ class _Arena:
 
 
 _arenas: dict[int, _Arena] = {}  # storage address -> arena; cleared by the next unit and by uninstall()
-_counts = {"arenas": 0, "flattened_in_place": 0, "flattened_by_copy": 0}
+_counts = {"arenas": 0, "flattened_in_place": 0, "flattened_by_copy": 0, "superseded": 0}
 
 
 def _register_arena(arena: torch.Tensor, params: list[nn.Parameter]) -> None:
-    _arenas.clear()  # a previous unit's that FSDP did not flatten in place: its memory lives on in its params
+    # One waits for FSDP's flatten at a time; one still here was a unit FSDP did not flatten (its memory
+    # lives on in its params), or this unit's before a re-tie laid it out again.
+    _counts["superseded"] += len(_arenas)
+    _arenas.clear()
     _arenas[arena.untyped_storage().data_ptr()] = _Arena([weakref.ref(p) for p in params], arena.numel())
     _counts["arenas"] += 1
 
@@ -195,8 +252,9 @@ def flatten_in_place(tensors: list[torch.Tensor], aligned_numel: int) -> Optiona
 
 
 def arena_counts() -> dict[str, int]:
-    """Units given one buffer by :meth:`MetaMaterializer.materialize_unit`, and how FSDP1 flattened
-    them: in place (no copy) or by its usual copy."""
+    """Units given one buffer (by :meth:`MetaMaterializer.materialize_unit` or :func:`lay_out_unit`),
+    and how FSDP1 flattened them: in place (no copy) or by its usual copy; superseded: replaced by
+    another buffer before FSDP1 flattened it."""
     return dict(_counts)
 
 

@@ -5,7 +5,8 @@ patching ``torch.distributed.utils`` alone would not reach FSDP1, whose ``_init_
 ``_sync_params_and_buffers`` by name):
 
 - ``torch.distributed.fsdp._init_utils._sync_module_params_and_buffers``: FSDP1's per-unit sync;
-  wrapped to restore tied weights the source has and this rank lost, then retry once.
+  wrapped to lay the unit's parameters out in one buffer first (``fsdp.lay_out_unit``), and to
+  restore tied weights the source has and this rank lost, then retry once.
 - ``torch.distributed.fsdp._init_utils._sync_params_and_buffers``: its byte mover.
 - ``torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states``: its CPU
   refusal; lifted when the unit's group has gloo, kept (with a clearer message) otherwise.
@@ -105,7 +106,7 @@ def _fsdp_sync_params_and_buffers(original: Callable, process_group: dist.Proces
     """
     pg = _group(process_group)
     unit = _unit.get()
-    names = _tensor_names(unit.module, module_states) if unit is not None else None
+    names = functools.partial(_tensor_names, unit.module, module_states) if unit is not None else None
     stats = broadcast_tensors(module_states, dist.get_global_rank(pg, src), pg, names=names)
     _record("fsdp1", stats)
 
@@ -141,6 +142,9 @@ def _fsdp_sync_module_params_and_buffers(original: Callable, module: nn.Module, 
     pg = _group(process_group)
     token = _unit.set(_FsdpUnit(module, pg, _has_gloo(pg)))
     unsynced = [b for b in module.buffers() if not getattr(b, _FSDP_SYNCED, False)]
+    # One buffer per unit on every rank (the others have theirs from fsdp.param_init_fn already):
+    # one broadcast per unit, and FSDP1's flatten without a copy.
+    _fsdp.lay_out_unit(module, params)
     try:
         try:
             return original(module, params, process_group)
@@ -152,6 +156,8 @@ def _fsdp_sync_module_params_and_buffers(original: Callable, module: nn.Module, 
             setattr(b, _FSDP_SYNCED, False)
         src = dist.get_global_rank(pg, 0)
         retied = _fsdp.restore_ties(module, src, pg, only=params)
+        if retied:  # a re-pointed name left the unit's buffer: lay it out again
+            _fsdp.lay_out_unit(module, params)
         logger.info("coalesced_bcast: FSDP unit %s did not match source rank %d (%s); after restoring the "
                     "source's ties (%d re-pointed on rank %d), retrying", type(module).__name__, src, mismatch,
                     retied, dist.get_rank())

@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ DEFAULT_RING_DEPTH = 3
 DEFAULT_INPLACE_MIN_BYTES = 4 << 20
 #: In-place broadcasts are issued in NCCL groups (start/endCoalescing) of about this many bytes.
 DEFAULT_COALESCE_BYTES = 1 << 30
+#: A call with at most this many smaller tensors sends them in place too, in the same NCCL group: an
+#: FSDP unit's two norms cost less that way than a ring (allocation, copy table, events, two kernels).
+DEFAULT_SMALL_INPLACE_MAX = 8
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,12 @@ class SyncStats:
     seconds: float  # host wall time of the whole call; CUDA work is ordered on the caller's stream
     plan_seconds: float = 0.0  # of which: planning (dedup, checks, bucket layout)
     agree_seconds: float = 0.0  # the cross-rank agreement
+    agree_wait_seconds: float = 0.0  # of which waiting for other ranks to arrive (store agreement only)
     enqueue_seconds: float = 0.0  # queueing the broadcasts (on CPU/gloo: running them)
+    # tensors this rank could send in place but sent through buckets, as another rank could not
+    # (a non-contiguous or unaligned copy there): routes must pair up across ranks
+    rerouted: int = 0
+    inplace_ops: int = 0  # broadcasts the in-place tensors took: tensors back to back in one buffer share one
 
 
 def _resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
@@ -63,7 +71,25 @@ def _group_src(pg: dist.ProcessGroup, src: int) -> int:
     return ranks.index(src)
 
 
-def _check_types(tensors: list, names: list, rank: int) -> None:
+class _Names(Sequence[str]):
+    """Names from a callable, called the first time one is needed: to word an error."""
+
+    def __init__(self, make: Callable[[], Sequence[str]]):
+        self._make, self._names = make, None
+
+    def _get(self) -> list[str]:
+        if self._names is None:
+            self._names = list(self._make())
+        return self._names
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __getitem__(self, i):
+        return self._get()[i]
+
+
+def _check_types(tensors: list, names: Sequence[str], rank: int) -> None:
     """Name the first non-tensor (pybind's own message names none)."""
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
@@ -97,11 +123,12 @@ def broadcast_tensors(
     src: int = 0,
     group: Optional[dist.ProcessGroup] = None,
     *,
-    names: Optional[Sequence[str]] = None,
+    names: Union[Sequence[str], Callable[[], Sequence[str]], None] = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ring_depth: int = DEFAULT_RING_DEPTH,
     inplace_min_bytes: int = DEFAULT_INPLACE_MIN_BYTES,
     coalesce_bytes: int = DEFAULT_COALESCE_BYTES,
+    small_inplace_max: int = DEFAULT_SMALL_INPLACE_MAX,
     timeout: Optional[Union[float, timedelta]] = None,
     verify: bool = False,
 ) -> SyncStats:
@@ -112,7 +139,8 @@ def broadcast_tensors(
             memory (tied weights) are sent once; different views that overlap are refused.
         src: the source's global rank.
         group: the process group (default: the world).
-        names: one name per tensor, used in error messages.
+        names: one name per tensor, used in error messages; or a callable returning them, called only
+            when an error needs them (naming costs a walk over the module, per call).
         bucket_bytes: bytes per ring slot (multiple of 16, >= 4096). Tensors below ``inplace_min_bytes``
             are packed back to back into buckets of this size; a tensor larger than a bucket is split.
         ring_depth: slots in the ring; extra device memory is at most ``bucket_bytes * ring_depth`` plus
@@ -120,6 +148,8 @@ def broadcast_tensors(
         inplace_min_bytes: contiguous tensors this large are broadcast in place, without a copy.
         coalesce_bytes: in-place broadcasts are grouped into one NCCL group up to this many bytes
             (0: one at a time).
+        small_inplace_max: when at most this many tensors are below ``inplace_min_bytes``, they are
+            broadcast in place too (no ring): a few tiny broadcasts in one NCCL group cost less.
         timeout: seconds (or a timedelta) for each collective, the agreement's too; default: the group's
             timeout. On NCCL it becomes the group's timeout for the length of the call, and the call also
             waits on the host for its transfer to finish, so that a rank that stalls raises
@@ -136,14 +166,22 @@ def broadcast_tensors(
     pg = _resolve_group(group)
     rank = dist.get_rank()
     tensors = list(tensors)
-    names = list(names) if names is not None else []
-    plan, error, src_group = None, None, None
+    names = _Names(names) if callable(names) else list(names) if names is not None else []
+    plan, error, src_group, rerouted = None, None, None, 0
     try:
         src_group = _group_src(pg, src)  # a bad src on any rank: every rank raises, at the agreement
         # The core writes raw storage with autograd off: parameters go in as they are (no detach(),
         # which would cost a Python object per tensor: at 16k tensors, more than the broadcast).
+        def make_plan(names_now: list):
+            return _C.Plan(tensors, names_now, bucket_bytes, ring_depth, inplace_min_bytes, coalesce_bytes, rank,
+                           small_inplace_max)
         try:
-            plan = _C.Plan(tensors, names, bucket_bytes, ring_depth, inplace_min_bytes, coalesce_bytes, rank)
+            try:
+                plan = make_plan([] if isinstance(names, _Names) else names)
+            except ValueError:
+                if not isinstance(names, _Names):
+                    raise
+                plan = make_plan(list(names))  # raises again, naming the tensor
         except TypeError:
             _check_types(tensors, names, rank)
             raise
@@ -153,8 +191,15 @@ def broadcast_tensors(
     if timeout is not None and isinstance(timeout, timedelta):
         timeout = timeout.total_seconds()
     with group_timeout(pg, timeout):
-        check_agreement(plan, error, pg, src_group, names, timeout=timeout,
-                        device=tensors[0].device if tensors and error is None else None)
+        timing: dict = {}
+        allowed = check_agreement(plan, error, pg, src_group, names, timeout=timeout,
+                                  device=tensors[0].device if tensors and error is None else None, timing=timing)
+        if allowed is not None:
+            inplace = plan.num_inplace
+            plan.restrict_routes(allowed)
+            rerouted = inplace - plan.num_inplace
+            logger.debug("coalesced_bcast: %d tensors go through buckets on every rank, as some rank cannot send "
+                         "them in place", rerouted)
         t_agreed, t_sent = time.perf_counter(), time.monotonic()
         enqueue_seconds, ring_bytes = payload_broadcast(plan, pg, src_group, timeout)
         if timeout is not None and tensors and tensors[0].device.type == "cuda":
@@ -169,7 +214,8 @@ def broadcast_tensors(
         tensors=plan.num_inputs, unique_tensors=plan.num_unique, bytes=plan.total_bytes,
         inplace_tensors=plan.num_inplace, packed_bytes=plan.packed_bytes, buckets=plan.num_buckets,
         ring_bytes=ring_bytes, seconds=time.perf_counter() - t0, plan_seconds=t_planned - t0,
-        agree_seconds=t_agreed - t_planned, enqueue_seconds=enqueue_seconds)
+        agree_seconds=t_agreed - t_planned, enqueue_seconds=enqueue_seconds, rerouted=rerouted,
+        inplace_ops=plan.inplace_ops, agree_wait_seconds=timing.get("wait_seconds", 0.0))
     if rank == src:
         logger.info("coalesced_bcast: sent %d tensors (%d unique, %.3f GiB, %d in place, %d buckets) in %.3f s",
                     stats.tensors, stats.unique_tensors, stats.bytes / 2**30, stats.inplace_tensors, stats.buckets,
