@@ -39,6 +39,7 @@ import sys
 import time
 from datetime import timedelta
 from typing import Callable, Optional
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -378,12 +379,16 @@ def hf_make(ctx: Ctx, tie: bool) -> tuple[Callable[[], nn.Module], set]:
 def run_mode(ctx: Ctx, mode: str, rep: int = 1) -> dict:
     dims = SMALL if ctx.small else FULL
     make = lambda: Model(**dims)  # noqa: E731
-    if mode in ("fsdp1_base", "fsdp1_cb", "fsdp1_base_profile", "fsdp1_cb_profile"):
+    if mode in ("fsdp1_base", "fsdp1_cb", "fsdp1_base_profile", "fsdp1_cb_profile", "fsdp1_cb_nolayout"):
         if mode.startswith("fsdp1_base") and not ctx.cuda:
             return {"skipped": "torch's FSDP1 refuses CPU states with sync_module_states"}
         profile = mode.endswith("_profile")  # under cProfile: slower, so not among the timed reps
-        return fsdp_mode(ctx, make, {Block}, cb="_cb" in mode, plain_to_empty="_base" in mode,
-                         windows=rep == 1 and not profile, profile=profile)
+        # nolayout: the source keeps its parameters where they are (a broadcast per parameter; FSDP1
+        # copies to flatten), to compare with laying each unit out in one buffer first
+        with mock.patch.object(coalesced_bcast.fsdp, "lay_out_unit", lambda *a: False) if "nolayout" in mode \
+                else contextlib.nullcontext():
+            return fsdp_mode(ctx, make, {Block}, cb="_cb" in mode, plain_to_empty="_base" in mode,
+                             windows=rep == 1 and not profile, profile=profile)
     if mode in ("ddp_base", "ddp_cb"):
         return ddp_mode(ctx, make, cb=mode.endswith("_cb"))
     if mode in ("hf_tied", "hf_untied", "hf_tied_to_empty"):

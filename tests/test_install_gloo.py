@@ -305,3 +305,32 @@ def _init_body(rank, world_size):
 def test_ddp_and_fsdp1_init_bitwise(world_size):
     """One spawn per world size for both (spawning dominates the runtime on 2 cores)."""
     run_ranks(world_size, _init_body)
+
+
+def test_lay_out_unit_copies_into_one_buffer_keeping_values_and_ties():
+    """What install() does to a unit before its sync on a rank whose unit is real (rank 0)."""
+    fsdp = coalesced_bcast.fsdp
+    torch.manual_seed(0)
+    net = build(True, SOURCE_SEED)  # head.weight is embed.weight
+    named = dict(net.named_parameters(remove_duplicate=False))
+    before = {n: t.detach().clone() for n, t in named.items()}
+    params = list(net.parameters())  # FSDP's managed list: deduplicated, registration order
+    old_ids = [id(p) for p in params]
+    counts = fsdp.arena_counts()
+    assert fsdp.lay_out_unit(net, params)
+    after = dict(net.named_parameters(remove_duplicate=False))
+    assert all(same_bits(after[n], before[n]) for n in before), "values changed"
+    assert after["head.weight"] is after["embed.weight"], "the tie was split"
+    assert [id(p) for p in params] != old_ids and all(p is after[n] for n, p in net.named_parameters())
+    # one storage, back to back in FSDP1's flatten order, which flatten_in_place then takes as it is
+    order = [p for _, p in net.named_parameters()]
+    assert len({p.untyped_storage().data_ptr() for p in order}) == 1
+    assert [p.storage_offset() for p in order] == [sum(q.numel() for q in order[:i]) for i in range(len(order))]
+    flat = fsdp.flatten_in_place(order, 0)
+    assert flat is not None and flat.numel() == sum(p.numel() for p in order)
+    assert flat.untyped_storage().data_ptr() == order[0].untyped_storage().data_ptr()
+    assert fsdp.arena_counts()["flattened_in_place"] == counts["flattened_in_place"] + 1
+    # already one buffer: left alone; several dtypes: left alone
+    assert not fsdp.lay_out_unit(net, list(net.parameters()))
+    mixed = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4).double()})
+    assert not fsdp.lay_out_unit(mixed, list(mixed.parameters()))

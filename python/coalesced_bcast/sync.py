@@ -160,7 +160,8 @@ def broadcast_tensors(
 
     Every rank must call this with tensors of the same structure (checked before any byte moves).
     On CUDA the work is queued on side streams and the caller's current stream is made to wait for
-    it: the tensors can be used at once, in stream order, without a synchronize.
+    it (a call with nothing to pack broadcasts on the caller's stream itself): the tensors can be used
+    at once, in stream order, without a synchronize.
     """
     t0 = time.perf_counter()
     pg = _resolve_group(group)
