@@ -157,6 +157,8 @@ def _unit_params(modules: list[nn.Module]) -> tuple[list[nn.Parameter], Slots]:
 
 def _fill_one_buffer(order: list[torch.Tensor]) -> bool:
     """The tensors are one storage, whole: each contiguous and starting where the one before ends."""
+    if any(p.is_meta for p in order):
+        return False
     storage, offset = order[0].untyped_storage(), 0
     for p in order:
         if (p.untyped_storage().data_ptr() != storage.data_ptr() or p.storage_offset() != offset
@@ -179,6 +181,8 @@ def lay_out_unit(root: nn.Module, params: list[nn.Parameter]) -> bool:
     Returns whether it laid the unit out; a unit of several dtypes, or of parameter subclasses, or
     already laid out, is left alone.
     """
+    if len(params) < 2 or _fill_one_buffer(params):  # the usual case off rank 0: our param_init_fn's buffer
+        return False
     keep = {id(p) for p in params}
     order, slots = _flatten_order(root, lambda m, p: id(p) in keep)
     if (len(order) < 2 or len(order) != len(keep) or _fill_one_buffer(order)
