@@ -161,7 +161,13 @@ void group_inplace(Plan& plan) {
     if (!t.inplace) continue;
     group.push_back(static_cast<int64_t>(u));
     bytes += t.nbytes;
-    if (t.joins_next) continue;  // a run ends here, not before
+    if (t.joins_next) {  // a run ends later, never between two groups
+      TORCH_CHECK(
+          u + 1 < plan.unique.size() && plan.unique[u + 1].inplace &&
+              plan.unique[u + 1].ptr == t.ptr + static_cast<uintptr_t>(t.nbytes),
+          "in-place run broken after unique tensor ", u);
+      continue;
+    }
     ++ops;
     ++plan.inplace_ops;
     if (bytes >= plan.options.coalesce_bytes || ops >= static_cast<int64_t>(kMaxGroupOps)) {
@@ -296,7 +302,8 @@ Plan make_plan(
     // NCCL 2.28.9), harmless inside our ring slots but not at a tensor's end.
     const bool eligible = s.contiguous && s.nbytes > 0 && s.nbytes % kAlign == 0 && s.addr % kAlign == 0;
     plan.input_to_unique.push_back(static_cast<int64_t>(plan.unique.size()));
-    plan.unique.push_back(UniqueTensor{t, i, s.nbytes, s.addr, s.elem_size, s.contiguous, eligible, false, false, false});
+    plan.unique.push_back(
+        UniqueTensor{t, i, s.nbytes, s.addr, s.elem_size, s.contiguous, eligible, false, false, false});
     plan.total_bytes += s.nbytes;
   }
   check_no_overlap(plan);

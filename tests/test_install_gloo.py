@@ -307,11 +307,19 @@ def test_ddp_and_fsdp1_init_bitwise(world_size):
     run_ranks(world_size, _init_body)
 
 
-def test_lay_out_unit_copies_into_one_buffer_keeping_values_and_ties():
+def test_lay_out_unit_copies_into_one_buffer_keeping_values_and_ties(monkeypatch):
     """What install() does to a unit before its sync on a rank whose unit is real (rank 0)."""
     fsdp = coalesced_bcast.fsdp
     torch.manual_seed(0)
     net = build(True, SOURCE_SEED)  # head.weight is embed.weight
+    # Out of memory for the buffer: the unit stays as it is (the rank still joins the sync).
+    with monkeypatch.context() as m:
+        def no_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("test")
+        m.setattr(torch, "empty", no_memory)
+        kept = list(net.parameters())
+        assert not fsdp.lay_out_unit(net, kept)
+        assert all(a is b for a, b in zip(kept, net.parameters()))
     named = dict(net.named_parameters(remove_duplicate=False))
     before = {n: t.detach().clone() for n, t in named.items()}
     params = list(net.parameters())  # FSDP's managed list: deduplicated, registration order

@@ -189,8 +189,15 @@ def lay_out_unit(root: nn.Module, params: list[nn.Parameter]) -> bool:
             or any(type(p) is not nn.Parameter or p.is_meta for p in order)
             or len({(p.dtype, p.device) for p in order}) != 1):
         return False
-    with torch.no_grad():
+    try:
         arena = torch.empty(sum(p.numel() for p in order), dtype=order[0].dtype, device=order[0].device)
+    except torch.OutOfMemoryError:
+        # Not here: this rank would then skip the sync the others are in. FSDP1's flatten needs as much
+        # and says so, after the sync.
+        logger.warning("coalesced_bcast: no memory to lay FSDP unit %s out in one buffer; FSDP1 will copy it",
+                       type(root).__name__)
+        return False
+    with torch.no_grad():
         torch.cat([p.reshape(-1) for p in order], out=arena)
     new: dict[int, nn.Parameter] = {}
     offset = 0

@@ -141,11 +141,11 @@ def _fsdp_sync_module_params_and_buffers(original: Callable, module: nn.Module, 
     """
     pg = _group(process_group)
     token = _unit.set(_FsdpUnit(module, pg, _has_gloo(pg)))
-    unsynced = [b for b in module.buffers() if not getattr(b, _FSDP_SYNCED, False)]
-    # One buffer per unit on every rank (the others have theirs from fsdp.param_init_fn already):
-    # one broadcast per unit, and FSDP1's flatten without a copy.
-    _fsdp.lay_out_unit(module, params)
     try:
+        unsynced = [b for b in module.buffers() if not getattr(b, _FSDP_SYNCED, False)]
+        # One buffer per unit on every rank (the others have theirs from fsdp.param_init_fn already):
+        # one broadcast per unit, and FSDP1's flatten without a copy.
+        _fsdp.lay_out_unit(module, params)
         try:
             return original(module, params, process_group)
         except AgreementError as first:
