@@ -555,9 +555,7 @@ def _check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup
     src_global = ranks[src] if src is not None else -1
     if error is not None:
         rec = _record(_REFUSED, 0, 0, src_global, f"{type(error).__name__}: {error}")
-        fp = None
     else:
-        fp = plan.fingerprint()
         fp_len, fp_hash, routes_hash = plan.digest()
         rec = _record(_OK, fp_len, fp_hash, src_global, "", routes_hash)
     table = _gather(rec, pg, cdev, timeout)
@@ -579,6 +577,7 @@ def _check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup
         # Same structure, other routes: every rank's routes (one byte per unique tensor, as many on
         # every rank), and what every rank can do.
         return functools.reduce(torch.bitwise_and, _gather(plan.routes(), pg, cdev, timeout).unbind(0))
+    fp = plan.fingerprint()  # no rank refused: every rank has a plan
     src_fp = fp.clone() if pg.rank() == src else torch.empty(src_len, dtype=torch.int64)
     src_fp = src_fp.to(cdev)
     t0 = time.monotonic()
