@@ -200,6 +200,11 @@ void choose_routes(Plan& plan) {
   join_runs(plan);
 }
 
+// A tensor's route as ranks exchange it: bit 0 in place, bit 1 joined to the next.
+uint8_t route_bits(const UniqueTensor& u) {
+  return static_cast<uint8_t>(u.inplace | (u.joins_next << 1));
+}
+
 void lay_out(Plan& plan) {
   plan.inplace_groups.clear();
   plan.buckets.clear();
@@ -321,7 +326,7 @@ Plan make_plan(
 at::Tensor Plan::routes() const {
   auto out = at::empty({static_cast<int64_t>(unique.size())}, at::kByte);
   auto* p = out.data_ptr<uint8_t>();
-  for (const auto& u : unique) *p++ = static_cast<uint8_t>(u.inplace | (u.joins_next << 1));
+  for (const auto& u : unique) *p++ = route_bits(u);
   return out;
 }
 
@@ -416,7 +421,7 @@ std::tuple<int64_t, int64_t, int64_t> Plan::digest() const {
   const auto fp = fingerprint();
   std::vector<int64_t> r;
   r.reserve(unique.size());
-  for (const auto& u : unique) r.push_back(u.inplace | (u.joins_next << 1));  // as routes(), widened
+  for (const auto& u : unique) r.push_back(route_bits(u));  // as routes(), widened
   return {fp.numel(), hash_words(fp), fnv1a(r.data(), static_cast<int64_t>(r.size()))};
 }
 

@@ -106,19 +106,10 @@ class MetaMaterializer:
         """
         order, slots = _unit_params(modules)
         if order and self._arena_ok(order):
-            total = sum(p.numel() for p in order)
-            arena = torch.empty(total, dtype=order[0].dtype, device=self.device)
-            new: dict[int, nn.Parameter] = {}
-            offset = 0
-            for p in order:
-                n = p.numel()
-                new[id(p)] = nn.Parameter(arena[offset:offset + n].view(p.shape), p.requires_grad)
-                offset += n
-            for module, key, p in slots:
-                module._parameters[key] = new[id(p)]
+            arena = torch.empty(sum(p.numel() for p in order), dtype=order[0].dtype, device=self.device)
+            new = _point_into(arena, order, slots, keep_attributes=False)
             for p in order:
                 self._remember(p, new[id(p)])
-            _register_arena(arena, [new[id(p)] for p in order])
         for module in modules:  # buffers, and the parameters of a unit without an arena
             self(module)
 
@@ -199,19 +190,28 @@ def lay_out_unit(root: nn.Module, params: list[nn.Parameter]) -> bool:
         return False
     with torch.no_grad():
         torch.cat([p.reshape(-1) for p in order], out=arena)
+    new = _point_into(arena, order, slots, keep_attributes=True)
+    params[:] = [new[id(p)] for p in params]
+    return True
+
+
+def _point_into(arena: torch.Tensor, order: list[nn.Parameter], slots: Slots,
+                keep_attributes: bool) -> dict[int, nn.Parameter]:
+    """New parameters viewing ``arena`` back to back in ``order``, every slot pointed at its new one,
+    and the arena registered for :func:`flatten_in_place`. Returns id(old) -> new."""
     new: dict[int, nn.Parameter] = {}
     offset = 0
     for p in order:
         n = p.numel()
         q = nn.Parameter(arena[offset:offset + n].view(p.shape), p.requires_grad)
-        q.__dict__.update(p.__dict__)  # attributes a user or a library set on the parameter
+        if keep_attributes:  # attributes a user or a library set on a real parameter
+            q.__dict__.update(p.__dict__)
         new[id(p)] = q
         offset += n
     for module, key, p in slots:
         module._parameters[key] = new[id(p)]
-    params[:] = [new[id(p)] for p in params]
     _register_arena(arena, [new[id(p)] for p in order])
-    return True
+    return new
 
 
 @dataclass
