@@ -227,6 +227,14 @@ class Ctx:
         self.dtype = torch.bfloat16
 
 
+def _allocator_counts(cuda: bool) -> dict[str, int]:
+    if not cuda:
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {"cuda_mallocs": stats.get("segment.all.allocated", 0), "cuda_frees": stats.get("segment.all.freed", 0),
+            "alloc_retries": stats.get("num_alloc_retries", 0)}
+
+
 def measure(ctx: Ctx, wrap: Callable[[], nn.Module], probe_site: tuple[str, str], cb: bool,
             windows: bool = True, timers: tuple = (), profile: bool = False) -> tuple[nn.Module, dict]:
     """Run the constructor `wrap` (with install() for cb); timing and memory. `windows`: cut the run at
@@ -254,6 +262,7 @@ def measure(ctx: Ctx, wrap: Callable[[], nn.Module], probe_site: tuple[str, str]
 
     agree.store_op_seconds.clear()
     agree.store_op_counts.clear()
+    mallocs0 = _allocator_counts(ctx.cuda)
     try:
         if ctx.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -297,6 +306,8 @@ def measure(ctx: Ctx, wrap: Callable[[], nn.Module], probe_site: tuple[str, str]
         row.update(cb_inplace_ops=sum(c.stats.inplace_ops for c in calls),
                    cb_buckets=sum(c.stats.buckets for c in calls), cb_rerouted=sum(c.stats.rerouted for c in calls))
     if ctx.cuda:
+        # segments the caching allocator asked CUDA for (cudaMalloc) and gave back during the run
+        row.update({k: v - mallocs0[k] for k, v in _allocator_counts(ctx.cuda).items()})
         row.update(base_alloc_GiB=gib(base), peak_alloc_GiB=gib(probe.peak_alloc),
                    peak_reserved_GiB=gib(probe.peak_reserved), extra_alloc_GiB=gib(probe.peak_alloc - base),
                    extra_reserved_GiB=gib(probe.peak_reserved - base_r),
@@ -313,7 +324,8 @@ def measure(ctx: Ctx, wrap: Callable[[], nn.Module], probe_site: tuple[str, str]
 # on the rank that arrives first it includes waiting for the others), flattening and sharding.
 FSDP_TIMERS = ((FSDP_INIT, "_materialize_with_param_init_fn", "init_fn"),
                (FSDP_INIT, "_sync_module_params_and_buffers", "unit_sync"),
-               (FSDP_INIT, "_init_param_handle_from_params", "flatten_shard"))
+               (FSDP_INIT, "_init_param_handle_from_params", "flatten_shard"),
+               ("coalesced_bcast.fsdp", "lay_out_unit", "lay_out"))
 
 
 def fsdp_mode(ctx: Ctx, make: Callable[[], nn.Module], unit_types: set, cb: bool, plain_to_empty: bool,
@@ -439,7 +451,7 @@ def summarize(rows: list[dict]) -> dict:
     for kind in ("fsdp1", "ddp"):
         b, c = f"{kind}_base", f"{kind}_cb"
         for rank in ranks:
-            for key in ("seconds", "init_fn_seconds", "unit_sync_seconds", "flatten_shard_seconds",
+            for key in ("seconds", "init_fn_seconds", "unit_sync_seconds", "lay_out_seconds", "flatten_shard_seconds",
                         "cb_agree_seconds", "cb_agree_wait_seconds", "cb_enqueue_seconds", "sync_seconds",
                         "extra_alloc_GiB", "extra_reserved_GiB", "sync_peak_alloc_GiB", "sync_peak_reserved_GiB",
                         "sync_extra_alloc_GiB", "sync_extra_reserved_GiB"):

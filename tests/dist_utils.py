@@ -1,4 +1,5 @@
-"""Run a function on N ranks over gloo, with a FileStore (no ports) and a hard timeout."""
+"""Run a function on N ranks over gloo, with a FileStore (no ports) or a TCPStore on a free port, and a
+hard timeout."""
 from __future__ import annotations
 
 import faulthandler
@@ -14,9 +15,21 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 120
 
 
-def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, backend: str) -> None:
+def _tcp_store(rank: int, world_size: int, files: dist.FileStore) -> dist.TCPStore:
+    """A TCPStore on a port the OS picks (port 0), its number handed out through the FileStore."""
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+        files.set("tcp_port", str(store.port))
+        return store
+    return dist.TCPStore("127.0.0.1", int(files.get("tcp_port")), world_size, is_master=False)
+
+
+def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, backend: str,
+           store_kind: str) -> None:
     faulthandler.enable()  # a crash in native code still names the Python frame it came from
     store = dist.FileStore(store_path, world_size)
+    if store_kind == "tcp":
+        store = _tcp_store(rank, world_size, store)
     if backend == "nccl":
         import torch
         torch.cuda.set_device(rank)
@@ -34,13 +47,14 @@ def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tupl
 
 
 def run_ranks(world_size: int, fn: Callable, *args, timeout: float = DEFAULT_TIMEOUT_S,
-              backend: str = "gloo") -> None:
+              backend: str = "gloo", store: str = "file") -> None:
     """Spawn `world_size` processes running fn(rank, world_size, *args); re-raise the first failure.
 
     fn must be a module-level function (it is pickled). A run past `timeout` seconds is killed and fails.
+    `store`: "file" (FileStore: no queues) or "tcp" (TCPStore, what torchrun gives: queues).
     """
     with tempfile.TemporaryDirectory() as d:
-        ctx = mp.start_processes(_entry, args=(world_size, os.path.join(d, "store"), fn, args, backend),
+        ctx = mp.start_processes(_entry, args=(world_size, os.path.join(d, "store"), fn, args, backend, store),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1):

@@ -87,26 +87,32 @@ def _agreement_body_checks(rank, world_size):
 
     agree._group_store = lambda g: Counting(real_store(g))
     try:
+        check_agreement(_C.Plan(tensors, names, 4096, 2, 1 << 40, 0, rank), None, pg, 0, names)  # the group's first
+        queues = agree._groups[pg].queues
         for i in range(4):
             plan = _C.Plan(tensors, names, 4096, 2, 1 << 40, 0, rank)
             seq0 = pg._get_sequence_number_for_group()
             ops.clear()
             assert check_agreement(plan, None, pg, 0, names) is None
             assert pg._get_sequence_number_for_group() == seq0
+            seq = agree._groups[pg].seq - 1
             # Every rank: one compare_set (publish or read the record). Two ranks: the second to arrive
-            # sends the verdict (a set, no reply awaited), the first waits for it (wait, get) and, from
-            # the third agreement on, removes the keys of the one before last (two). More ranks: an
-            # add each, then the last sets the verdict and the others wait for it; three keys removed.
+            # sends the verdict (no reply awaited), the first waits for it and pops it from a queue that
+            # it leaves empty for the agreement after next, or, on a store without queues (FileStore),
+            # gets it and removes the verdict key of the agreement before last. More ranks:
+            # an add each, then the last sets the verdict and the others wait for it; two keys removed.
             names_ = [name for name, _ in ops]
             every = [None] * world_size
             dist.all_gather_object(every, names_)
-            if world_size == 2:
+            if world_size == 2 and queues:
+                assert sorted(every) == [["compare_set", "queue_push"], ["compare_set", "wait", "queue_pop"]], every
+            elif world_size == 2:
                 assert sorted(every, key=len)[0] == ["compare_set", "set"], every
-                assert sorted(every, key=len)[1] == ["compare_set"] + ["delete_key"] * (2 if i >= 2 else 0) + \
+                assert sorted(every, key=len)[1] == ["compare_set"] + ["delete_key"] * (seq >= 2) + \
                     ["wait", "get"], every
             else:
                 assert sum("set" in e for e in every) == 1, every  # the last to add (not always the last to arrive)
-                assert len(ops) <= 2 + 2 + (3 if i >= 2 else 0), ops
+                assert len(ops) <= 2 + 2 + (2 if seq >= 2 else 0), ops
             assert all(size < 200 for _, size in ops), ops
         seq0 = pg._get_sequence_number_for_group()
         stats = coalesced_bcast.broadcast_tensors(tensors, 0, names=names, bucket_bytes=4096)
@@ -196,16 +202,18 @@ def _agreement_body_checks(rank, world_size):
                                                          _filled((8,), torch.int64, 10)]))
 
 
-def _agreement_body(rank, world_size):
+def _agreement_body(rank, world_size, queues):
     try:
         _agreement_body_checks(rank, world_size)
+        assert agree._groups[dist.group.WORLD].queues == queues
     finally:
         gc.collect()  # see _COLLECT_NOTE
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_agreement_mismatch_raises_everywhere_before_any_byte(world_size):
-    run_ranks(world_size, _agreement_body)
+@pytest.mark.parametrize("world_size,store", [(2, "file"), (2, "tcp"), (3, "file")])
+def test_agreement_mismatch_raises_everywhere_before_any_byte(world_size, store):
+    """store: FileStore (no queues: the verdict goes through keys) or TCPStore (through a queue)."""
+    run_ranks(world_size, _agreement_body, store == "tcp", store=store)
 
 
 def _routes_body(rank, world_size):
@@ -236,12 +244,12 @@ def _routes_body(rank, world_size):
         gc.collect()  # see _COLLECT_NOTE
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_layouts_that_differ_between_ranks_are_routed_alike(world_size):
+@pytest.mark.parametrize("world_size,store", [(2, "file"), (2, "tcp"), (3, "file")])
+def test_layouts_that_differ_between_ranks_are_routed_alike(world_size, store):
     """A tensor contiguous and aligned on one rank but not another (a transposed or offset copy of the
     same shape) must go through buckets on every rank: before the fix the ranks' broadcasts did not
     pair up and the receivers ended with wrong bytes."""
-    run_ranks(world_size, _routes_body)
+    run_ranks(world_size, _routes_body, store=store)
 
 
 class Tiny(nn.Module):
@@ -430,8 +438,9 @@ def _results(out_dir, case, ranks):
     return out
 
 
-def test_rank_that_never_arrives_or_dies(tmp_path):
-    run_ranks(2, _timeout_body, str(tmp_path), timeout=90)
+@pytest.mark.parametrize("store", ["file", "tcp"])
+def test_rank_that_never_arrives_or_dies(tmp_path, store):
+    run_ranks(2, _timeout_body, str(tmp_path), timeout=90, store=store)
     for case, limit in (("never_calls", 2), ("group_timeout", 2)):
         r = _results(tmp_path, case, [0])[0]
         assert r["type"] == "CollectiveError" and r["seconds"] < limit + SLACK_S, (case, r)

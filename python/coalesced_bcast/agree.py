@@ -31,6 +31,7 @@ import logging
 import os
 import time
 import weakref
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Iterator, Optional, Sequence
 
@@ -318,9 +319,7 @@ def check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup,
             error = ValueError(f"{problem}, on rank {dist.get_rank()}")
     store = _group_store(pg) if pg.size() <= store_max_ranks() else None
     if store is not None:
-        seq = _store_seq.get(pg, 0)
-        _store_seq[pg] = seq + 1
-        agreement = _StoreAgreement(store, seq, pg, timeout)
+        agreement = _StoreAgreement(store, pg, timeout)
         try:
             return agreement.run(plan, error, src, names)
         finally:
@@ -345,12 +344,41 @@ _STORE_ENV = "COALESCED_BCAST_STORE_AGREEMENT_MAX_RANKS"
 # Verdict flags, added to the arrival count: a rank whose layout routes differ, a rank with a problem.
 _ROUTES = 1 << 20
 _BAD = 1 << 40
-_store_seq: "weakref.WeakKeyDictionary[dist.ProcessGroup, int]" = weakref.WeakKeyDictionary()
 #: Seconds and calls per store operation (compare_set, set, wait, ...) of every agreement in this process,
 #: for benchmarks: how much of the agreement is the store's round trips.
 store_op_seconds: dict[str, float] = {}
 store_op_counts: dict[str, int] = {}
-_own_keys: "weakref.WeakKeyDictionary[dist.ProcessGroup, list]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _GroupState:
+    """What this rank keeps between the agreements of one group."""
+
+    prefix: str  # this group's keys in its store
+    queues: bool  # the store has queues (TCPStore, HashStore; not FileStore)
+    seq: int = 0  # agreements so far: every rank numbers them alike
+    slots: list = field(default_factory=lambda: ["", ""])  # the record each slot holds now
+    own_keys: list = field(default_factory=list)  # (seq, key): route keys this rank wrote, removed at seq + 2
+
+
+_groups: "weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupState]" = weakref.WeakKeyDictionary()
+
+
+def _group_state(pg: dist.ProcessGroup, store) -> _GroupState:
+    state = _groups.get(pg)
+    if state is None:
+        # A store can outlive its group (destroy_process_group, then init_process_group on torchrun's
+        # agent store): the keys of an earlier group of the same name would read as this one's. Every
+        # rank adds 1 once, at the group's first agreement, so (count - 1) // size numbers this group's
+        # incarnation alike on every rank. (A round trip per group, once.)
+        epoch = (int(store.add("coalesced_bcast/agree/groups", 1)) - 1) // pg.size()
+        try:
+            store.queue_len("coalesced_bcast/agree/queues")
+            queues = True
+        except (NotImplementedError, RuntimeError, AttributeError):  # FileStore; a torch before queues
+            queues = False
+        state = _groups[pg] = _GroupState(f"coalesced_bcast/agree/{epoch}/", queues)
+    return state
 
 
 def store_max_ranks() -> int:
@@ -373,17 +401,20 @@ def _structure_and_routes(plan, error: Optional[BaseException], named: int) -> t
 
 
 class _StoreAgreement:
-    """One agreement through the group's store. Keys are unique per agreement (a per-group counter
-    that every rank advances in the same order, as it calls collectives in the same order); the
-    first rank to arrive removes those of the agreement before the previous one, which every rank
-    has left.
+    """One agreement through the group's store. Every rank numbers agreements with a per-group counter
+    (it calls collectives in the same order). Nothing is left to delete when all is well: the record
+    and, with two ranks, the verdict live in one of two slots (agreement number mod 2) that the
+    agreement after next reuses, once every rank has left this one.
 
-    1. Each rank publishes its record (named source, fingerprint hash, routes hash) unless another
-       rank did first (one compare-and-set), and compares its own with the one that is there.
-    2. The verdict: with two ranks, the second to arrive knows it and publishes it (one message, not
-       a round trip: on FSDP1 the second is the rank that materialized the unit, the slower one);
-       with more, every rank adds 1 to a counter (plus a flag for what it found), and the last
-       publishes the total. The others wait for it.
+    1. Each rank publishes its record (agreement number, named source, fingerprint hash, routes hash)
+       unless another rank did first: one compare-and-set against what the slot held two agreements
+       ago (every rank saw that), and compares its own with the one that is there.
+    2. The verdict: with two ranks, the second to arrive knows it and pushes it onto the slot's queue
+       (one message, not a round trip: on FSDP1 the second is often the rank that materialized the
+       unit), and the first pops it, which empties the queue for the next use. With more ranks, or a
+       store without queues (FileStore), every rank adds 1 to a counter of this agreement (plus a flag
+       for what it found), the last sets the total under this agreement's key and the others wait for
+       it; the first to arrive removes the keys of the agreement before last.
     3. Only when routes differ (a tensor some rank cannot send in place: another layout or alignment):
        every rank publishes which tensors it can send in place and all take those every rank can.
     4. Only on a problem: the refusal or the source naming of the lowest rank that flagged one is
@@ -391,15 +422,21 @@ class _StoreAgreement:
        describe the first difference, and the lowest rank's description is raised.
     """
 
-    def __init__(self, store, seq: int, pg: dist.ProcessGroup, timeout: Optional[timedelta]):
-        self.store, self.seq, self.pg, self.timeout = store, seq, pg, timeout
+    def __init__(self, store, pg: dist.ProcessGroup, timeout: Optional[timedelta]):
+        self.store, self.pg, self.timeout = store, pg, timeout
+        self.group = _group_state(pg, store)
+        self.seq = self.group.seq
+        self.group.seq += 1
         self.limit = _deadline(pg, timeout).total_seconds()
         self.t0 = time.monotonic()
         self.rank = dist.get_rank()
         self.waited = 0.0  # seconds blocked until other ranks had written what this one needed
 
     def _key(self, name: str, seq: Optional[int] = None) -> str:
-        return f"coalesced_bcast/agree/{self.seq if seq is None else seq}/{name}"
+        return f"{self.group.prefix}{self.seq if seq is None else seq}/{name}"
+
+    def _slot_key(self, name: str) -> str:
+        return f"{self.group.prefix}slot{self.seq % 2}/{name}"
 
     def _op(self, fn, *args):
         t = time.perf_counter()
@@ -422,11 +459,14 @@ class _StoreAgreement:
         return self._op(self.store.get, self._key(name))
 
     def wait(self, names: list[str]) -> None:
+        self.wait_keys([self._key(n) for n in names])
+
+    def wait_keys(self, keys: list[str]) -> None:
         t = time.monotonic()
         left = self.limit - (t - self.t0)
         if left <= 0:
             self._op(self._expired)
-        self._op(self.store.wait, [self._key(n) for n in names], timedelta(seconds=left))
+        self._op(self.store.wait, keys, timedelta(seconds=left))
         self.waited += time.monotonic() - t
 
     def get(self, name: str) -> str:
@@ -462,39 +502,70 @@ class _StoreAgreement:
             self.get(f"done{name}")
 
     def clean_up(self, n: int) -> None:
-        """Keys of the agreement before the previous one: every rank has left it, as every rank has
-        arrived at the previous one. Route keys are removed by the rank that wrote them."""
+        """Keys of the agreement before the previous one, on stores without queues: every rank has
+        left it, as every rank has arrived at the previous one. Route keys are removed by the rank
+        that wrote them."""
         if self.seq >= 2:
-            for k in ("ref", "done") + (("arrived",) if n != 2 else ()):
+            for k in ("done",) + (("arrived",) if n != 2 else ()):
                 self._op(self.store.delete_key, self._key(k, self.seq - 2))
+
+    def publish(self, record: str) -> str:
+        """Set this agreement's record in its slot unless a rank did first; the record there now.
+
+        The slot holds the record of the agreement before last, which every rank saw: the first
+        rank's compare-and-set against it succeeds, the others' return the first's record."""
+        slots = self.group.slots
+        cur = self._op(self.store.compare_set, self._slot_key("ref"), slots[self.seq % 2], record)
+        cur = cur.decode(errors="replace")
+        if not cur.startswith(f"{self.seq}#"):
+            raise CollectiveError(
+                f"coalesced_bcast: rank {self.rank} found {cur[:80]!r} where agreement {self.seq} of its group "
+                f"keeps its record in the group's store: the ranks have called a different number of syncs on "
+                f"this group, or something else writes coalesced_bcast's keys")
+        slots[self.seq % 2] = cur
+        return cur
+
+    def pop_verdict(self) -> int:
+        """The verdict the second rank pushed onto this slot's queue (two ranks, a store with queues),
+        waited for within the deadline; popping it leaves the queue empty for the agreement after next."""
+        key = self._slot_key("verdict")
+        self.wait_keys([key])
+        return int(self._op(self.store.queue_pop, key, False))
 
     def run(self, plan, error: Optional[BaseException], src: Optional[int],
             names: Sequence[str]) -> Optional[torch.Tensor]:
         n = self.pg.size()
-        mine = _own_keys.setdefault(self.pg, [])
+        mine = self.group.own_keys
         while mine and mine[0][0] <= self.seq - 2:
             self._op(self.store.delete_key, mine.pop(0)[1])
         named = dist.get_process_group_ranks(self.pg)[src] if src is not None else -1
         structure, routes = _structure_and_routes(plan, error, named)
-        record = f"{self.rank}#{structure}#{routes}"
-        cur = self._op(self.store.compare_set, self._key("ref"), "", record).decode(errors="replace")
+        record = f"{self.seq}#{self.rank}#{structure}#{routes}"
+        cur = self.publish(record)
         first = cur == record
-        _, ref_structure, ref_routes = cur.split("#")
+        _, _, ref_structure, ref_routes = cur.split("#", 3)
         bad = error is not None or ref_structure != structure
         flags = _BAD if bad else (_ROUTES if ref_routes != routes else 0)
         verdict = None
-        if n == 2 and not first:
+        queues = n == 2 and self.group.queues
+        if queues and first:
+            verdict = self.pop_verdict()
+        elif queues:
+            self._op(self.store.queue_push, self._slot_key("verdict"), str(flags))
             verdict = flags
-            self.set("done", str(verdict))
-        elif n != 2:
-            total = self.add("arrived", 1 + flags)
-            if total % _ROUTES == n:
-                verdict = total - n
+        else:
+            if n == 2 and not first:
+                verdict = flags
                 self.set("done", str(verdict))
-        if first:  # it waits for the others anyway (unless it is alone)
-            self.clean_up(n)
-        if verdict is None:
-            verdict = int(self.get("done"))
+            elif n != 2:
+                total = self.add("arrived", 1 + flags)
+                if total % _ROUTES == n:
+                    verdict = total - n
+                    self.set("done", str(verdict))
+            if first:  # it waits for the others anyway (unless it is alone)
+                self.clean_up(n)
+            if verdict is None:
+                verdict = int(self.get("done"))
         if verdict == 0:
             return None
         if verdict < _BAD:
@@ -506,7 +577,7 @@ class _StoreAgreement:
         same, so is their length)."""
         n = self.pg.size()
         self.set(f"routes/{self.pg.rank()}", routes.numpy().tobytes())
-        _own_keys[self.pg].append((self.seq, self._key(f"routes/{self.pg.rank()}")))
+        self.group.own_keys.append((self.seq, self._key(f"routes/{self.pg.rank()}")))
         self.wait([f"routes/{r}" for r in range(n)])
         allowed = routes.clone()
         for r in range(n):

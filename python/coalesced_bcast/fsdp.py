@@ -181,15 +181,14 @@ def lay_out_unit(root: nn.Module, params: list[nn.Parameter]) -> bool:
             or len({(p.dtype, p.device) for p in order}) != 1):
         return False
     try:
-        arena = torch.empty(sum(p.numel() for p in order), dtype=order[0].dtype, device=order[0].device)
+        with torch.no_grad():
+            arena = torch.cat([p.reshape(-1) for p in order])  # one allocation and one kernel
     except torch.OutOfMemoryError:
         # Not here: this rank would then skip the sync the others are in. FSDP1's flatten needs as much
         # and says so, after the sync.
         logger.warning("coalesced_bcast: no memory to lay FSDP unit %s out in one buffer; FSDP1 will copy it",
                        type(root).__name__)
         return False
-    with torch.no_grad():
-        torch.cat([p.reshape(-1) for p in order], out=arena)
     new = _point_into(arena, order, slots, keep_attributes=True)
     params[:] = [new[id(p)] for p in params]
     return True
@@ -200,14 +199,12 @@ def _point_into(arena: torch.Tensor, order: list[nn.Parameter], slots: Slots,
     """New parameters viewing ``arena`` back to back in ``order``, every slot pointed at its new one,
     and the arena registered for :func:`flatten_in_place`. Returns id(old) -> new."""
     new: dict[int, nn.Parameter] = {}
-    offset = 0
-    for p in order:
-        n = p.numel()
-        q = nn.Parameter(arena[offset:offset + n].view(p.shape), p.requires_grad)
-        if keep_attributes:  # attributes a user or a library set on a real parameter
+    # One split for all the views: FSDP1 calls this once per unit, and each torch call costs the host.
+    for p, piece in zip(order, arena.split([p.numel() for p in order])):
+        q = nn.Parameter(piece.view(p.shape), p.requires_grad)
+        if keep_attributes and p.__dict__:  # attributes a user or a library set on a real parameter
             q.__dict__.update(p.__dict__)
         new[id(p)] = q
-        offset += n
     for module, key, p in slots:
         module._parameters[key] = new[id(p)]
     _register_arena(arena, [new[id(p)] for p in order])
