@@ -4,8 +4,10 @@
 
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "executor.h"
+#include "throttle.h"
 
 namespace coalesced_bcast {
 namespace {
@@ -86,9 +88,12 @@ RunStats broadcast_plan(
     std::vector<at::Tensor> v{bytes};
     if (auto work = pg->broadcast(v, opts)) work->wait();
   };
+  Throttle throttle(plan.device, timeout, pg->getRank());
 
   auto send_inplace = [&]() {
-    for (const auto& group : plan.inplace_groups) {
+    for (size_t g = 0; g < plan.inplace_groups.size(); ++g) {
+      const auto& group = plan.inplace_groups[g];
+      throttle.before_next("in-place group", g, plan.inplace_groups.size());
       // One ncclGroupStart/End per group: fewer launches and protocol
       // startups than a broadcast per tensor. gloo has no coalescing.
       const bool coalesce = cuda && runs_in(plan, group) > 1;
@@ -103,6 +108,9 @@ RunStats broadcast_plan(
       }
       if (coalesce) {
         if (auto work = pg->endCoalescing(plan.device.type())) work->wait();
+      }
+      if (throttle.active()) {  // the stream the group ran on: the caller's, or the comm lane's under its guard
+        throttle.after(c10::impl::getDeviceGuardImpl(plan.device.type())->getStream(plan.device));
       }
     }
   };
@@ -132,6 +140,7 @@ RunStats broadcast_plan(
   for (int64_t k = 0; k < static_cast<int64_t>(plan.buckets.size()); ++k) {
     const int64_t s = k % plan.ring_slots;
     auto slot = arena.narrow(0, s * plan.slot_bytes, plan.buckets[k].nbytes);
+    throttle.before_next("bucket", k, plan.buckets.size());
     if (is_src) {
       exec->wait(Lane::kCopy, s);
       exec->pack(k, slot);
@@ -148,6 +157,7 @@ RunStats broadcast_plan(
       exec->unpack(k, slot);
       exec->signal(Lane::kCopy, s);
     }
+    if (throttle.active()) throttle.after(*exec->stream(is_src ? Lane::kComm : Lane::kCopy));  // its last step's lane
   }
   exec->end();
   finish(plan, is_src, stats, t0);
