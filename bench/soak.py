@@ -356,7 +356,11 @@ def _timeout_child(rank: int, case: str, store_path: str, work: str, t: float) -
         device = torch.device("cpu")
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=group_t)
     x = [torch.full((1000,), float(rank), device=device), torch.full((1 << 20,), float(rank), device=device)]
-    coalesced_bcast.broadcast_tensors(x, 0, bucket_bytes=1 << 16)  # warm: communicators exist
+    # Warm: communicators exist and NCCL has connected what the cases use (it connects lazily, and a
+    # first broadcast of a kind blocks the host until the peer joins it: no deadline of ours applies).
+    coalesced_bcast.broadcast_tensors(x, 0, bucket_bytes=1 << 16)
+    for src in (0, 1):
+        coalesced_bcast.broadcast_tensors(x, src, bucket_bytes=1 << 16, inplace_min_bytes=1 << 40, small_inplace_max=0)
     sync(device)
     dist.barrier()
     kw = dict(timeout=t) if spec["arg_timeout"] else {}

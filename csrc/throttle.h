@@ -1,12 +1,17 @@
 // throttle: with a timeout, the host queues only a few broadcasts ahead of the
 // device, so that it can still give up on time.
 //
-// Why: NCCL's enqueue blocks the host once enough collectives are queued behind
-// one that waits for a stalled peer (its work FIFO fills). A host blocked there
-// never sees its deadline: on 2x H200, 65 buckets queued towards a source that
-// had stopped after the agreement, and torch's watchdog ended the process 70 s
-// later instead of the call raising at its 10 s timeout. Without a timeout the
-// call stays fully asynchronous and a stall is left to the watchdog.
+// Why: a host blocked inside NCCL never sees its deadline. Collectives queued
+// behind one that waits for a stalled peer keep NCCL's work FIFO from draining,
+// and once it is full NCCL's enqueue blocks the host. Bounding what is queued
+// keeps the host polling our deadline instead: on 2x H200 a receiver with 65
+// buckets towards a source that stopped after the agreement raised at 10.0 s of
+// a 10 s timeout ("bucket 4 of 65 could not be queued"). Not covered: the
+// first broadcasts of a kind on a communicator blocked the host inside the call
+// until the peer joined (same case, before warming the bucketed path from both
+// sources; NCCL connects lazily, NCCL_RUNTIME_CONNECT): a stall there is left
+// to torch's watchdog. Without a timeout the call stays fully asynchronous and
+// a stall is left to the watchdog too.
 #pragma once
 
 #include <c10/core/Event.h>
