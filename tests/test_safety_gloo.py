@@ -195,11 +195,20 @@ def _agreement_body_checks(rank, world_size):
                                                                         r"the meta device")
     del os.environ[agree._STORE_ENV]
     # The group is still usable after all of that.
+    want = [_filled((5,), torch.float32, 10), _filled((4, 6), torch.float32, 10), _filled((8,), torch.int64, 10)]
     tensors = base()
     coalesced_bcast.broadcast_tensors(tensors, 0, names=names, verify=True)
-    assert all(same_bits(a, b) for a, b in zip(tensors, [_filled((5,), torch.float32, 10),
-                                                         _filled((4, 6), torch.float32, 10),
-                                                         _filled((8,), torch.int64, 10)]))
+    assert all(same_bits(a, b) for a, b in zip(tensors, want))
+    # A group that finds an earlier group's keys in its store (destroy_process_group, then
+    # init_process_group on the same store): what this rank kept about the group is gone, the
+    # store's slots hold the earlier group's records. The new incarnation agrees under keys of its own.
+    assert agree._groups[pg].prefix == "coalesced_bcast/agree/0/"
+    del agree._groups[pg]
+    tensors = base()
+    coalesced_bcast.broadcast_tensors(tensors, 0, names=names)
+    coalesced_bcast.broadcast_tensors(tensors, 0, names=names, verify=True)
+    assert all(same_bits(a, b) for a, b in zip(tensors, want))
+    assert agree._groups[pg].prefix == "coalesced_bcast/agree/1/"
 
 
 def _agreement_body(rank, world_size, queues):
