@@ -355,7 +355,7 @@ class _GroupState:
     """What this rank keeps between the agreements of one group."""
 
     prefix: str  # this group's keys in its store
-    queues: bool  # the store has queues (TCPStore, HashStore; not FileStore)
+    queues: bool  # the verdict goes through a queue: two ranks, a store with queues (TCPStore; not FileStore)
     seq: int = 0  # agreements so far: every rank numbers them alike
     slots: list = field(default_factory=lambda: ["", ""])  # the record each slot holds now
     own_keys: list = field(default_factory=list)  # (seq, key): route keys this rank wrote, removed at seq + 2
@@ -372,11 +372,13 @@ def _group_state(pg: dist.ProcessGroup, store) -> _GroupState:
         # rank adds 1 once, at the group's first agreement, so (count - 1) // size numbers this group's
         # incarnation alike on every rank. (A round trip per group, once.)
         epoch = (int(store.add("coalesced_bcast/agree/groups", 1)) - 1) // pg.size()
-        try:
-            store.queue_len("coalesced_bcast/agree/queues")
-            queues = True
-        except (NotImplementedError, RuntimeError, AttributeError):  # FileStore; a torch before queues
-            queues = False
+        queues = False
+        if pg.size() == 2:  # only a two-rank verdict goes through a queue
+            try:
+                store.queue_len("coalesced_bcast/agree/queues")
+                queues = True
+            except (NotImplementedError, RuntimeError, AttributeError):  # FileStore; a torch before queues
+                pass
         state = _groups[pg] = _GroupState(f"coalesced_bcast/agree/{epoch}/", queues)
     return state
 
@@ -502,9 +504,9 @@ class _StoreAgreement:
             self.get(f"done{name}")
 
     def clean_up(self, n: int) -> None:
-        """Keys of the agreement before the previous one, on stores without queues: every rank has
-        left it, as every rank has arrived at the previous one. Route keys are removed by the rank
-        that wrote them."""
+        """Keys of the agreement before the previous one, where verdicts go through keys (more than two
+        ranks, or a store without queues): every rank has left it, as every rank has arrived at the
+        previous one. Route keys are removed by the rank that wrote them."""
         if self.seq >= 2:
             for k in ("done",) + (("arrived",) if n != 2 else ()):
                 self._op(self.store.delete_key, self._key(k, self.seq - 2))
@@ -547,7 +549,7 @@ class _StoreAgreement:
         bad = error is not None or ref_structure != structure
         flags = _BAD if bad else (_ROUTES if ref_routes != routes else 0)
         verdict = None
-        queues = n == 2 and self.group.queues
+        queues = self.group.queues
         if queues and first:
             verdict = self.pop_verdict()
         elif queues:
