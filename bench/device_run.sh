@@ -51,7 +51,7 @@ for s in $steps; do
     bench) step bench 500 $RUN bench/bench.py --out "$LOGS/bench" ;;
     init) step init 300 $RUN bench/init_bench.py --out "$LOGS/init.jsonl" ;;
     agree) step agree 120 $RUN bench/agree_probe.py --out "$LOGS/agree_probe.jsonl" ;;
-    fsdp2) step fsdp2 400 $RUN bench/fsdp2_load.py --out "$LOGS/fsdp2.jsonl" ;;
+    fsdp2) step fsdp2 540 $RUN bench/fsdp2_load.py --out "$LOGS/fsdp2.jsonl" ;;
     soak) step soak 200 $RUN bench/soak.py --out "$LOGS/soak.jsonl" ;;
     gpuchecks) step gpuchecks 200 $RUN bench/soak.py --mode gpu-checks --out "$LOGS/soak-gpu-checks.jsonl" ;;
     timeout) step timeout 300 $PY bench/soak.py --mode timeout --out "$LOGS/soak-timeout.jsonl" ;;

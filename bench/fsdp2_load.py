@@ -3,7 +3,9 @@ set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True) against
 coalesced_bcast.load_full_state_dict, with the source state in pinned and in pageable CPU memory.
 
 States: the Llama-8B-shaped model of shared/anchors/baseline_bcast.py (bf16, fully_shard per block and
-at the root, to_empty on every rank), and 16,384 small bf16 tensors (1 GiB; sizes as in the anchors).
+at the root, to_empty on every rank), a Mixture-of-Experts decoder in the Hugging Face layout (16 blocks of
+32 experts, hidden 2048, expert MLP 1408: 1,651 keys, about 9 GiB, fully_shard per block), and 16,384
+small bf16 tensors (1 GiB; sizes as in the anchors).
 Every run is checked bitwise on every rank against the source's values (a counter-based pattern that
 each rank can regenerate for its own shard). Also measures this machine's host-to-device rate.
 
@@ -36,7 +38,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 import coalesced_bcast
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llama import Block, Model  # noqa: E402
+from llama import MoEModel, Model  # noqa: E402
 import dist_setup  # noqa: E402
 
 GiB = 2**30
@@ -157,9 +159,12 @@ def build(kind: str, args, device: torch.device, mesh) -> nn.Module:
     with torch.device("meta"):
         if kind == "llama8b":
             model = Model(args.layers, args.hidden, args.inter, args.kv, args.vocab).to(DTYPE)
+        elif kind == "moe":
+            model = MoEModel(args.moe_layers, args.moe_hidden, args.moe_inter, args.moe_experts,
+                             args.moe_vocab).to(DTYPE)
         else:
             model = Small(sizes).to(DTYPE)
-    if kind == "llama8b":
+    if kind in ("llama8b", "moe"):
         for b in model.layers:
             fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -208,16 +213,7 @@ class Bench:
 
     @staticmethod
     def load(model: nn.Module, sd, options: dict):
-        from coalesced_bcast import state_dict as sd_mod
-        debug = options.pop("_debug", None)
-        saved = set(sd_mod._DEBUG)
-        if debug:
-            sd_mod._DEBUG.add(debug)
-        try:
-            return coalesced_bcast.load_full_state_dict(model, sd, src=0, **options)
-        finally:
-            sd_mod._DEBUG.clear()
-            sd_mod._DEBUG.update(saved)
+        return coalesced_bcast.load_full_state_dict(model, sd, src=0, **options)
 
     def h2d(self, sd: dict) -> None:
         """One large pinned copy (the anchors' measure), the same bytes in 16 MiB copies, and pageable."""
@@ -247,7 +243,7 @@ class Bench:
         model = build(kind, args, self.device, self.mesh)
         specs = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
         nbytes = sum(math.prod(s) for _, s in specs) * 2
-        seed = 1000 if kind == "llama8b" else 500000
+        seed = {"llama8b": 1000, "moe": 200000}.get(kind, 500000)
         gen_device = self.device
         sources = ["pageable"] if self.cpu else args.sources
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -255,25 +251,21 @@ class Bench:
         methods = [("dcp", {}), ("coalesced_bcast", {})]
         methods += [(f"coalesced_bcast_b{b >> 20}M", dict(bucket_bytes=b)) for b in args.extra_buckets]
         methods += [(f"coalesced_bcast_t{t}", dict(copy_threads=t)) for t in args.extra_threads]
-        # Bisecting rows (GPU): device syncs between stages; copy_ instead of _foreach_copy_; one slot.
-        methods += [(f"coalesced_bcast_dbg_{d}", dict(_debug=d)) for d in args.debug_modes]
-        methods += [("coalesced_bcast_depth1", dict(ring_depth=1))] if args.debug_modes else []
         for source in sources:
             t0 = time.perf_counter()
             sd = make_source(specs, source, seed, gen_device) if self.rank == 0 else None
             self.sync()
             if self.rank == 0:
                 print(f"# {kind}/{source}: source built in {time.perf_counter() - t0:.1f} s", flush=True)
-            if self.rank == 0 and not self.cpu and kind == "llama8b" and source != "gpu":
+            if self.rank == 0 and not self.cpu and kind in ("llama8b", "moe") and source != "gpu":
                 self.h2d(sd)
             for name, options in methods:
-                if ("copy_threads" in options and source != "pageable"
-                        or options and "_debug" not in options and source == "gpu"):
+                if "copy_threads" in options and source != "pageable" or options and source == "gpu":
                     continue  # threads only copy pageable memory; a GPU source just checks the path
                 if name == "dcp":
                     # a copy: DCP replaces the values of the dict it is given with the loaded DTensors
                     fn = lambda: set_model_state_dict(model, dict(sd) if self.rank == 0 else {}, options=opts)  # noqa: E731
-                    reps = args.dcp_reps if kind == "llama8b" else args.dcp_small_reps
+                    reps = args.dcp_reps if kind != "small16k" else args.dcp_small_reps
                 else:
                     fn = lambda: self.load(model, sd, dict(options))  # noqa: E731
                     reps = args.reps
@@ -302,7 +294,7 @@ class Bench:
             return
         rows = [r for rs in gathered for r in rs]
         h2d = [r for r in rows if r["kind"] == "h2d" and r["source"] == "pinned"]
-        h2d_rate = h2d[0]["one_copy_GBps"] if h2d else None
+        h2d_rate = max(r["one_copy_GBps"] for r in h2d) if h2d else None
         loads = [r for r in rows if r["kind"] == "load"]
         out = []
         keys = sorted({(r["state"], r["source"], r["method"]) for r in loads})
@@ -329,14 +321,22 @@ class Bench:
                     row["target_extra_within_ring"] = (row["max_extra_alloc_GiB"] <= ring + slack
                                                        and row["max_extra_reserved_GiB"] <= ring + 2 * slack)
             if method.startswith("coalesced_bcast"):
+                # The targets (issue "One engine"): Llama-8B from pinned >= 95% of the host-to-device rate,
+                # the MoE state >= 90% from pinned and >= 4x DCP from pageable, 16k small tensors from
+                # pinned in <= 40 ms, from rank 0's GPU at least as fast as DCP.
                 dcp = med.get((state, source, "dcp"))
                 if dcp:
                     row["speedup_vs_dcp"] = dcp / sec
                 if source == "pageable" and dcp:
-                    row["target_pageable_2x_dcp"] = dcp / sec >= 2.0
-                if source == "pinned" and h2d_rate:
+                    row["target_pageable_4x_dcp"] = dcp / sec >= 4.0
+                if source == "gpu" and dcp:
+                    row["target_gpu_at_least_dcp"] = sec <= dcp
+                if source == "pinned" and h2d_rate and state != "small16k":
                     row["fraction_of_h2d"] = row["GBps"] / h2d_rate
-                    row["target_pinned_90pct_h2d"] = row["fraction_of_h2d"] >= 0.9
+                    need = 0.95 if state == "llama8b" else 0.9
+                    row[f"target_pinned_{int(need * 100)}pct_h2d"] = row["fraction_of_h2d"] >= need
+                if source == "pinned" and state == "small16k":
+                    row["target_pinned_40ms"] = sec <= 0.040
             out.append(row)
         for r in out:
             r.update(bench="fsdp2_load", torch=torch.__version__, h2d_GBps=h2d_rate)
@@ -352,7 +352,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(os.environ["OUT"], "fsdp2_load.jsonl") if os.environ.get("OUT") else None)
     p.add_argument("--cpu", action="store_true", help="gloo on CPU with tiny shapes (smoke test)")
-    p.add_argument("--states", default="llama8b,small16k")
+    p.add_argument("--states", default="llama8b,moe,small16k")
     p.add_argument("--sources", default="pinned,pageable,gpu", help="where rank 0 holds the state (GPU runs)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dcp-reps", type=int, default=2)
@@ -362,13 +362,16 @@ def main() -> None:
     # threads slower than the default 8; off by default so the whole run fits one device call.
     p.add_argument("--extra-buckets", default="", help="MiB, comma-separated; extra coalesced_bcast rows with these bucket sizes")
     p.add_argument("--extra-threads", default="", help="extra coalesced_bcast rows (pageable) with these copy_threads")
-    p.add_argument("--debug-modes", default="",
-                   help="extra coalesced_bcast rows with these state_dict._DEBUG switches (empty: none)")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--inter", type=int, default=14336)
     p.add_argument("--kv", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--moe-layers", type=int, default=16)
+    p.add_argument("--moe-hidden", type=int, default=2048)
+    p.add_argument("--moe-inter", type=int, default=1408)
+    p.add_argument("--moe-experts", type=int, default=32)
+    p.add_argument("--moe-vocab", type=int, default=32000)
     p.add_argument("--small-count", type=int, default=16384)
     p.add_argument("--small-min", type=int, default=256)
     p.add_argument("--small-max", type=int, default=65536)
@@ -376,10 +379,10 @@ def main() -> None:
     if args.cpu:  # shapes a 2-core machine builds in seconds; uneven rows on purpose
         args.layers, args.hidden, args.inter, args.kv, args.vocab = 2, 64, 160, 16, 1001
         args.small_count, args.small_min, args.small_max = 512, 16, 2048
+        args.moe_layers, args.moe_hidden, args.moe_inter, args.moe_experts, args.moe_vocab = 2, 64, 48, 4, 1001
     args.extra_buckets = [int(x) << 20 for x in args.extra_buckets.split(",") if x]
     args.extra_threads = [int(x) for x in args.extra_threads.split(",") if x]
     args.sources = args.sources.split(",")
-    args.debug_modes = [d for d in args.debug_modes.split(",") if d]
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")
     bench = Bench(args)

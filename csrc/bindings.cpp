@@ -12,7 +12,7 @@ using namespace coalesced_bcast;
 namespace {
 
 Plan build_plan(
-    const std::vector<at::Tensor>& tensors,
+    std::vector<at::Tensor> tensors,
     const std::vector<std::string>& names,
     int64_t bucket_bytes,
     int64_t ring_depth,
@@ -27,7 +27,7 @@ Plan build_plan(
   o.coalesce_bytes = coalesce_bytes;
   o.rank = rank;
   o.small_inplace_max = small_inplace_max;
-  return make_plan(tensors, names, o);
+  return make_plan(std::move(tensors), names, o);
 }
 
 // Per bucket: (unique index, tensor offset, bucket offset, bytes, strided).
@@ -57,6 +57,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   );
   m.def("hash_words", &hash_words, py::arg("words"));
   m.def("dtype_name", [](int64_t code) { return std::string(c10::toString(static_cast<c10::ScalarType>(code))); });
+  {
+    const PlanOptions d;
+    py::dict defaults;
+    defaults["bucket_bytes"] = d.bucket_bytes;
+    defaults["ring_depth"] = d.ring_depth;
+    defaults["inplace_min_bytes"] = d.inplace_min_bytes;
+    defaults["coalesce_bytes"] = d.coalesce_bytes;
+    defaults["small_inplace_max"] = d.small_inplace_max;
+    m.attr("defaults") = defaults;
+  }
+  m.def("scalar_type_code", [](at::ScalarType t) { return static_cast<int64_t>(t); });
+  m.def("scalar_type_size", [](int64_t code) { return c10::elementSize(static_cast<c10::ScalarType>(code)); });
   m.attr("fingerprint_header") = kFingerprintHeader;
   m.attr("fingerprint_record") = kFingerprintRecord;
   m.def("hash_tensors", &hash_tensors,
@@ -64,6 +76,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Per tensor a 64-bit hash of its bytes in logical order, then their digest (int64, on the tensors' device)");
   m.def("_check_corrupted_table", &check_corrupted_table, py::arg("plan"), py::arg("what"),
         "Test hook: validate_copy_table's message for a copy of the plan with one corrupted field ('' if none)");
+  m.def(
+      "load_plan",
+      [](const at::Tensor& units, std::vector<at::Tensor> sources, std::vector<at::Tensor> dests,
+         const at::Tensor& dest_meta, int64_t bucket_bytes, int64_t ring_depth, int64_t rank, int64_t copy_threads,
+         c10::Device device) {
+        LoadOptions o;
+        o.bucket_bytes = bucket_bytes;
+        o.ring_depth = ring_depth;
+        o.rank = rank;
+        o.copy_threads = copy_threads;
+        o.device = device;
+        return make_load_plan(units, std::move(sources), std::move(dests), dest_meta, o);
+      },
+      py::arg("units"), py::arg("sources"), py::arg("dests"), py::arg("dest_meta"), py::arg("bucket_bytes"),
+      py::arg("ring_depth"), py::arg("rank"), py::arg("copy_threads"), py::arg("device"),
+      "A load's plan: checkpoint tensors (units: dtype, ndim, sizes) streamed into this rank's shards (dests)");
   py::class_<Plan>(m, "Plan")
       .def(py::init(&build_plan), py::arg("tensors"), py::arg("names"), py::arg("bucket_bytes"),
            py::arg("ring_depth"), py::arg("inplace_min_bytes"), py::arg("coalesce_bytes"), py::arg("rank"),
@@ -88,19 +116,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       })
       .def_property_readonly("ring_slots", [](const Plan& p) { return p.ring_slots; })
       .def_property_readonly("slot_bytes", [](const Plan& p) { return p.slot_bytes; })
+      .def_property_readonly("num_scatter_runs", [](const Plan& p) { return p.scatter.size(); })
+      .def_property_readonly("num_host_runs", [](const Plan& p) { return p.host_ops.size(); })
       .def("describe", &Plan::describe, py::arg("input"))
       .def("fingerprint", &Plan::fingerprint)
       .def("routes", &Plan::routes)
       .def("digest", &Plan::digest)
+      .def("check_unchanged", &Plan::check_unchanged, py::call_guard<py::gil_scoped_release>(),
+           "'' while every input still holds the bytes, shape and dtype it was planned with; else what changed")
       .def("restrict_routes", &Plan::restrict_routes, py::arg("allowed"))
       .def("bucket_table", &bucket_table)
       .def(
           "broadcast",
-          [](const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t src, double timeout_s) {
+          [](const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t src, double timeout_s,
+             std::optional<py::function> progress, double progress_seconds) {
             auto timeout = timeout_s > 0 ? std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000))
                                          : c10d::kUnsetTimeout;
-            auto stats = broadcast_plan(plan, pg, src, timeout);
-            return std::make_pair(stats.seconds, stats.ring_bytes);
+            Progress p;
+            if (progress) {
+              p.every = progress_seconds;
+              p.report = [&progress](int64_t bytes) {
+                py::gil_scoped_acquire gil;
+                (*progress)(bytes);
+              };
+            }
+            RunStats stats;
+            {
+              py::gil_scoped_release release;
+              stats = broadcast_plan(plan, pg, src, timeout, p);
+            }
+            return std::make_tuple(stats.seconds, stats.ring_bytes, stats.host_ring_bytes);
           },
-          py::arg("group"), py::arg("src"), py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>());
+          py::arg("group"), py::arg("src"), py::arg("timeout_s") = 0.0, py::arg("progress") = py::none(),
+          py::arg("progress_seconds") = 0.0);
 }

@@ -35,7 +35,43 @@ struct CopyOp {
   int32_t elem_size;
 };
 
+// A load's unpack: one run of a checkpoint tensor's elements in a bucket,
+// written into the part of a destination tensor that this rank holds, cast on
+// the way when the model's dtype differs. Runs may start anywhere (a shard
+// boundary) and several may read the same bytes (a tensor loaded into two
+// keys), so the kernel walks runs, not the bucket: each run is cut into
+// chunks, one block each, and first_chunk numbers them.
+struct ScatterOp {
+  uint64_t dst_ptr;       // the destination's first element (its local tensor)
+  int64_t first;          // first element: an index into the destination (box < 0) or
+                          // into the full tensor, row-major (box >= 0)
+  int64_t bucket_offset;  // byte offset of that element in the bucket
+  int64_t count;          // elements
+  int64_t first_chunk;    // chunks of the bucket's runs before this one
+  int32_t box;            // -1: the destination is contiguous; else an index into the boxes
+  int8_t src_type;        // c10::ScalarType of the bucket's bytes (the checkpoint's)
+  int8_t dst_type;        // and of the destination
+  int8_t src_size;
+  int8_t dst_size;
+};
+
+// The part [lo, hi) of a full tensor of `sizes` that a destination holds (a
+// DTensor shard), and the destination's strides, in elements.
+struct Box {
+  int64_t sizes[kMaxDims];
+  int64_t lo[kMaxDims];
+  int64_t hi[kMaxDims];
+  int64_t strides[kMaxDims];
+  int32_t ndim;
+  int32_t pad_;
+};
+
+// Bucket bytes per block of the scatter kernel.
+constexpr int64_t kScatterChunk = 32 << 10;
+
 static_assert(sizeof(CopyOp) == 40, "CopyOp is uploaded as raw bytes");
+static_assert(sizeof(ScatterOp) == 48, "ScatterOp is uploaded as raw bytes");
+static_assert(sizeof(Box) % 8 == 0, "Box is uploaded as raw bytes");
 static_assert(sizeof(Layout) % 8 == 0, "Layout is uploaded as raw bytes");
 
 inline int64_t align_up(int64_t n, int64_t a) {

@@ -19,6 +19,9 @@ class CpuExecutor final : public Executor {
   void unpack(int64_t bucket, at::Tensor slot) override {
     copy_bucket_cpu(plan_, bucket, slot.data_ptr<uint8_t>(), /*pack=*/false);
   }
+  void scatter(int64_t bucket, at::Tensor slot, Lane) override {
+    scatter_bucket_cpu(plan_, bucket, slot.data_ptr<uint8_t>());
+  }
 
  private:
   const Plan& plan_;

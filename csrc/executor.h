@@ -38,9 +38,16 @@ class Executor {
     return 0;
   }
   virtual void set_table(at::Tensor /*table*/) {}
-  // Copy bucket k between the tensors and a ring slot, on the copy lane.
+  // Pinned host bytes the executor holds (a load's host stage).
+  virtual int64_t host_bytes() const {
+    return 0;
+  }
+  // Copy bucket k between the tensors and a ring slot, on the copy lane: a
+  // load's pack also brings the runs that live in host memory.
   virtual void pack(int64_t bucket, at::Tensor slot) = 0;
   virtual void unpack(int64_t bucket, at::Tensor slot) = 0;
+  // A load's unpack: bucket k into this rank's shards, on `lane`.
+  virtual void scatter(int64_t bucket, at::Tensor slot, Lane lane) = 0;
 };
 
 std::unique_ptr<Executor> make_executor(const Plan& plan);
@@ -49,7 +56,11 @@ std::unique_ptr<Executor> make_executor(const Plan& plan);
 using ExecutorFactory = std::unique_ptr<Executor> (*)(const Plan&);
 bool register_cuda_executor(ExecutorFactory factory);
 
-// The host side of pack/unpack, over the plan's copy table (pack_cpu.cpp).
+// The host side of pack/unpack, over the plan's copy table (pack_cpu.cpp):
+// `ops[first, first + count)` between the tensors and a bucket's bytes.
+void copy_runs_cpu(const CopyOp* ops, int64_t count, const std::vector<Layout>& layouts, uint8_t* slot, bool pack);
 void copy_bucket_cpu(const Plan& plan, int64_t bucket, uint8_t* slot, bool pack);
+// A load's unpack on the host: bucket k's scatter runs into this rank's tensors.
+void scatter_bucket_cpu(const Plan& plan, int64_t bucket, const uint8_t* slot);
 
 }  // namespace coalesced_bcast

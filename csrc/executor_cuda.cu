@@ -2,13 +2,23 @@
 // each ring slot handed between them with a CUDA event. Buffers are never
 // recordStream'ed: the caller's stream waits for both side streams before the
 // call returns, so the ring can be freed to the caller's stream at once.
+//
+// A load whose source tensors are in host memory adds a host stage on the
+// source: large runs of pinned tensors are copied to the device slot directly
+// (the copy engine reads them where they are); the others are packed into a
+// pinned host slot by the stager's threads and copied up in as few transfers
+// as their offsets allow. Before the call returns the copy stream is waited
+// for on the host: the caller may free or change its CPU tensors at once.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <memory>
+#include <unordered_map>
 #include <vector>
 
 #include "executor.h"
+#include "host_stage.h"
 #include "pack_cuda.h"
 
 namespace coalesced_bcast {
@@ -21,7 +31,8 @@ class CudaExecutor final : public Executor {
         caller_(at::cuda::getCurrentCUDAStream(plan.device.index())),
         comm_(at::cuda::getStreamFromPool(/*isHighPriority=*/false, plan.device.index())),
         copy_(at::cuda::getStreamFromPool(/*isHighPriority=*/false, plan.device.index())),
-        events_(2 * static_cast<size_t>(plan.ring_slots)) {}
+        events_(2 * static_cast<size_t>(plan.ring_slots)),
+        offsets_(table_offsets(plan)) {}
 
   void begin() override {
     at::cuda::CUDAEvent start;
@@ -36,6 +47,7 @@ class CudaExecutor final : public Executor {
     copy_done.record(copy_);
     comm_done.block(caller_);
     copy_done.block(caller_);
+    if (host_ring_.defined()) copy_done.synchronize();  // the host copies read the caller's CPU tensors
   }
 
   std::optional<c10::Stream> stream(Lane lane) override {
@@ -50,34 +62,110 @@ class CudaExecutor final : public Executor {
     event(lane == Lane::kComm ? Lane::kCopy : Lane::kComm, slot).block(lane_stream(lane));
   }
 
+  // The device copy of the plan's tables, one after another: pack runs,
+  // layouts, scatter runs, boxes.
   int64_t table_bytes() const override {
-    return ops_bytes() + layouts_bytes();
+    return offsets_[4];
   }
 
   void set_table(at::Tensor table) override {
     auto host = at::empty({table_bytes()}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
     auto* h = host.data_ptr<uint8_t>();
-    std::memcpy(h, plan_.ops.data(), plan_.ops.size() * sizeof(CopyOp));
-    std::memcpy(h + ops_bytes(), plan_.layouts.data(), plan_.layouts.size() * sizeof(Layout));
+    std::memcpy(h + offsets_[0], plan_.ops.data(), plan_.ops.size() * sizeof(CopyOp));
+    std::memcpy(h + offsets_[1], plan_.layouts.data(), plan_.layouts.size() * sizeof(Layout));
+    std::memcpy(h + offsets_[2], plan_.scatter.data(), plan_.scatter.size() * sizeof(ScatterOp));
+    std::memcpy(h + offsets_[3], plan_.boxes.data(), plan_.boxes.size() * sizeof(Box));
     c10::cuda::CUDAStreamGuard guard(copy_);
     table.copy_(host, /*non_blocking=*/true);
-    ops_ = reinterpret_cast<const CopyOp*>(table.data_ptr<uint8_t>());
-    layouts_ = reinterpret_cast<const Layout*>(table.data_ptr<uint8_t>() + ops_bytes());
+    auto* d = table.data_ptr<uint8_t>();
+    ops_ = reinterpret_cast<const CopyOp*>(d + offsets_[0]);
+    layouts_ = reinterpret_cast<const Layout*>(d + offsets_[1]);
+    scatter_ = reinterpret_cast<const ScatterOp*>(d + offsets_[2]);
+    boxes_ = reinterpret_cast<const Box*>(d + offsets_[3]);
+  }
+
+  int64_t host_bytes() const override {
+    return host_ring_.defined() ? host_ring_.numel() : 0;
   }
 
   void pack(int64_t bucket, at::Tensor slot) override {
-    launch(bucket, slot, /*pack=*/true);
+    if (plan_.buckets.at(bucket).num_ops > 0) launch(bucket, slot, /*pack=*/true);
+    if (plan_.buckets.at(bucket).num_host > 0) stage(bucket, slot);
   }
   void unpack(int64_t bucket, at::Tensor slot) override {
     launch(bucket, slot, /*pack=*/false);
   }
+  void scatter(int64_t bucket, at::Tensor slot, Lane lane) override {
+    TORCH_CHECK(scatter_ != nullptr || plan_.scatter.empty(), "scatter table not uploaded before bucket ", bucket);
+    const auto& b = plan_.buckets.at(bucket);
+    launch_scatter_bucket(slot.data_ptr<uint8_t>(), scatter_ + b.first_scatter, b.num_scatter, b.scatter_chunks,
+                          boxes_, lane_stream(lane).stream());
+  }
 
  private:
-  int64_t ops_bytes() const {
-    return align_up(static_cast<int64_t>(plan_.ops.size() * sizeof(CopyOp)), kAlign);
+  // Pinned runs at least this large go to the device straight from the tensor.
+  static constexpr int64_t kDirectMin = 256 << 10;
+
+  static std::vector<int64_t> table_offsets(const Plan& plan) {
+    std::vector<int64_t> o{0};
+    for (int64_t bytes : {plan.ops.size() * sizeof(CopyOp), plan.layouts.size() * sizeof(Layout),
+                          plan.scatter.size() * sizeof(ScatterOp), plan.boxes.size() * sizeof(Box)}) {
+      o.push_back(align_up(o.back() + bytes, kAlign));
+    }
+    return o;
   }
-  int64_t layouts_bytes() const {
-    return static_cast<int64_t>(plan_.layouts.size() * sizeof(Layout));
+
+  bool pinned(uint64_t ptr) {
+    auto it = pinned_.find(ptr);
+    if (it != pinned_.end()) return it->second;
+    cudaPointerAttributes attr{};
+    const bool yes = cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(ptr)) == cudaSuccess &&
+        attr.type == cudaMemoryTypeHost;
+    (void)cudaGetLastError();  // pageable memory may report an error on older drivers
+    return pinned_[ptr] = yes;
+  }
+
+  // Bucket k's host-memory runs into the device slot, on the copy lane.
+  void stage(int64_t bucket, const at::Tensor& slot) {
+    const auto& b = plan_.buckets.at(bucket);
+    const int64_t s = bucket % plan_.ring_slots;
+    if (!host_ring_.defined()) {
+      host_ring_ = at::empty({plan_.ring_slots * plan_.slot_bytes},
+                             at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      host_free_.resize(plan_.ring_slots);
+      host_used_.assign(plan_.ring_slots, false);
+      stager_ = std::make_unique<HostStager>(plan_.options.copy_threads);
+    }
+    uint8_t* dev = slot.data_ptr<uint8_t>();
+    uint8_t* host = host_ring_.data_ptr<uint8_t>() + s * plan_.slot_bytes;
+    staged_.clear();
+    for (int64_t i = b.first_host; i < b.first_host + b.num_host; ++i) {
+      const auto& op = plan_.host_ops[i];
+      if (op.layout < 0 && op.nbytes >= kDirectMin && pinned(op.tensor_ptr)) {
+        C10_CUDA_CHECK(cudaMemcpyAsync(dev + op.bucket_offset, reinterpret_cast<const uint8_t*>(op.tensor_ptr) +
+                                       op.tensor_offset, op.nbytes, cudaMemcpyHostToDevice, copy_.stream()));
+      } else {
+        staged_.push_back(op);
+      }
+    }
+    if (staged_.empty()) return;
+    if (host_used_[s]) host_free_[s].synchronize();  // the copy that last read this pinned slot is done
+    stager_->stage(staged_.data(), static_cast<int64_t>(staged_.size()), plan_.layouts, host);
+    // Up in spans: runs closer than kDirectMin are joined (their alignment gaps travel too).
+    int64_t lo = staged_.front().bucket_offset, hi = lo;
+    auto flush = [&] {
+      C10_CUDA_CHECK(cudaMemcpyAsync(dev + lo, host + lo, hi - lo, cudaMemcpyHostToDevice, copy_.stream()));
+    };
+    for (const auto& op : staged_) {
+      if (op.bucket_offset - hi > kDirectMin) {
+        flush();
+        lo = op.bucket_offset;
+      }
+      hi = op.bucket_offset + op.nbytes;
+    }
+    flush();
+    host_free_[s].record(copy_);
+    host_used_[s] = true;
   }
   at::cuda::CUDAStream& lane_stream(Lane lane) {
     return lane == Lane::kComm ? comm_ : copy_;
@@ -96,8 +184,18 @@ class CudaExecutor final : public Executor {
   const Plan& plan_;
   at::cuda::CUDAStream caller_, comm_, copy_;
   std::vector<at::cuda::CUDAEvent> events_;
+  std::vector<int64_t> offsets_;
   const CopyOp* ops_ = nullptr;
   const Layout* layouts_ = nullptr;
+  const ScatterOp* scatter_ = nullptr;
+  const Box* boxes_ = nullptr;
+  // The host stage (a load's source with tensors in host memory).
+  at::Tensor host_ring_;
+  std::vector<at::cuda::CUDAEvent> host_free_;
+  std::vector<bool> host_used_;
+  std::unique_ptr<HostStager> stager_;
+  std::unordered_map<uint64_t, bool> pinned_;
+  std::vector<CopyOp> staged_;
 };
 
 std::unique_ptr<Executor> make_cuda_executor(const Plan& plan) {

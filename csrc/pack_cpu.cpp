@@ -1,7 +1,11 @@
 // pack/unpack on the host: the same copy table the CUDA kernel reads, walked
-// with memcpy for contiguous runs and an odometer for strided ones.
+// with memcpy for contiguous runs and an odometer for strided ones; a load's
+// scatter runs element by element where it writes a shard's box.
+#include <ATen/ATen.h>
+
 #include <cstring>
 
+#include "cast.h"
 #include "executor.h"
 
 namespace coalesced_bcast {
@@ -35,13 +39,12 @@ void copy_strided(const CopyOp& op, const Layout& l, uint8_t* bucket_run, bool p
 
 }  // namespace
 
-void copy_bucket_cpu(const Plan& plan, int64_t bucket, uint8_t* slot, bool pack) {
-  const auto& b = plan.buckets[bucket];
-  for (int64_t i = b.first_op; i < b.first_op + b.num_ops; ++i) {
-    const auto& op = plan.ops[i];
+void copy_runs_cpu(const CopyOp* ops, int64_t count, const std::vector<Layout>& layouts, uint8_t* slot, bool pack) {
+  for (int64_t i = 0; i < count; ++i) {
+    const auto& op = ops[i];
     uint8_t* run = slot + op.bucket_offset;
     if (op.layout >= 0) {
-      copy_strided(op, plan.layouts[op.layout], run, pack);
+      copy_strided(op, layouts[op.layout], run, pack);
       continue;
     }
     auto* t = reinterpret_cast<uint8_t*>(op.tensor_ptr) + op.tensor_offset;
@@ -49,6 +52,40 @@ void copy_bucket_cpu(const Plan& plan, int64_t bucket, uint8_t* slot, bool pack)
       std::memcpy(run, t, op.nbytes);
     } else {
       std::memcpy(t, run, op.nbytes);
+    }
+  }
+}
+
+void copy_bucket_cpu(const Plan& plan, int64_t bucket, uint8_t* slot, bool pack) {
+  const auto& b = plan.buckets[bucket];
+  copy_runs_cpu(plan.ops.data() + b.first_op, b.num_ops, plan.layouts, slot, pack);
+}
+
+void scatter_bucket_cpu(const Plan& plan, int64_t bucket, const uint8_t* slot) {
+  const auto& b = plan.buckets[bucket];
+  at::Tensor converted;
+  for (int64_t i = b.first_scatter; i < b.first_scatter + b.num_scatter; ++i) {
+    const auto& op = plan.scatter[i];
+    const uint8_t* src = slot + op.bucket_offset;
+    auto* dst = reinterpret_cast<uint8_t*>(op.dst_ptr);
+    const int64_t ds = op.dst_size;
+    if (op.src_type != op.dst_type) {
+      // Casts go through torch's own CPU copy, so that they give what load_state_dict's copy_ gives
+      // bit for bit (its vectorized float->bfloat16 maps every NaN to 0xFFFF; c10's scalar
+      // conversion, which the CUDA kernel shares with torch's CUDA copy, to 0x7FC0).
+      const auto from = at::from_blob(const_cast<uint8_t*>(src), {op.count},
+                                      at::TensorOptions().dtype(static_cast<c10::ScalarType>(op.src_type)));
+      converted = at::empty({op.count}, at::TensorOptions().dtype(static_cast<c10::ScalarType>(op.dst_type)));
+      converted.copy_(from);
+      src = static_cast<const uint8_t*>(converted.data_ptr());
+    }
+    if (op.box < 0) {
+      std::memcpy(dst + op.first * ds, src, op.count * ds);
+      continue;
+    }
+    for (int64_t j = 0; j < op.count; ++j) {
+      int64_t off = 0;
+      if (box_offset(plan.boxes[op.box], op.first + j, &off)) std::memcpy(dst + off * ds, src + j * ds, ds);
     }
   }
 }

@@ -10,6 +10,7 @@
 
 #include "copy_table.h"
 #include "pack_cuda.h"
+#include "words.cuh"
 
 namespace coalesced_bcast {
 namespace {
@@ -17,23 +18,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kUnitsPerThread = 8;
 constexpr int64_t kChunk = kThreads * kAlign * kUnitsPerThread;
-
-// n <= 16 bytes, with the widest word that both ends and n are aligned to:
-// tensors that are views at odd offsets still copy correctly, just narrower.
-__device__ __forceinline__ void copy_small(uint8_t* dst, const uint8_t* src, int n) {
-  const auto a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | static_cast<uintptr_t>(n);
-  if ((a & 15) == 0) {
-    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-  } else if ((a & 7) == 0) {
-    for (int i = 0; i < n; i += 8) *reinterpret_cast<uint64_t*>(dst + i) = *reinterpret_cast<const uint64_t*>(src + i);
-  } else if ((a & 3) == 0) {
-    for (int i = 0; i < n; i += 4) *reinterpret_cast<uint32_t*>(dst + i) = *reinterpret_cast<const uint32_t*>(src + i);
-  } else if ((a & 1) == 0) {
-    for (int i = 0; i < n; i += 2) *reinterpret_cast<uint16_t*>(dst + i) = *reinterpret_cast<const uint16_t*>(src + i);
-  } else {
-    for (int i = 0; i < n; ++i) dst[i] = src[i];
-  }
-}
 
 // Element offset (in elements) of logical element e of a strided tensor.
 __device__ __forceinline__ int64_t strided_offset(const Layout& l, int64_t e) {

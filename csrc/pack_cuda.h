@@ -19,4 +19,14 @@ void launch_copy_bucket(
     bool pack,
     cudaStream_t stream);
 
+// One launch writing a load's bucket into this rank's shards: `ops` (device-
+// resident) are the bucket's scatter runs, `chunks` the sum of their chunks.
+void launch_scatter_bucket(
+    const uint8_t* bucket,
+    const ScatterOp* ops,
+    int64_t num_ops,
+    int64_t chunks,
+    const Box* boxes,
+    cudaStream_t stream);
+
 }  // namespace coalesced_bcast

@@ -44,13 +44,17 @@ void check_backend(const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup
       "' has no backend for ", type, " tensors");
 }
 
-// Receivers' tensors were written behind autograd's back: bump their versions
-// so that a graph that saved one of them refuses to use the old values.
+// Written tensors changed behind autograd's back: bump their versions so that
+// a graph that saved one of them refuses to use the old values. A sync writes
+// the receivers' tensors, a load every rank's shards.
 void finish(const Plan& plan, bool is_src, RunStats& stats, std::chrono::steady_clock::time_point t0) {
-  if (!is_src) {
-    for (const auto& u : plan.unique) {
-      if (u.nbytes > 0 && !u.tensor.is_inference()) u.tensor.unsafeGetTensorImpl()->bump_version();
-    }
+  auto bump = [](const at::Tensor& t) {
+    if (t.numel() > 0 && !t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+  };
+  if (plan.is_load) {
+    for (const auto& t : plan.dests) bump(t);
+  } else if (!is_src) {
+    for (const auto& u : plan.unique) bump(plan.tensor(u));
   }
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -61,13 +65,14 @@ RunStats broadcast_plan(
     const Plan& plan,
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     int64_t src,
-    std::chrono::milliseconds timeout) {
+    std::chrono::milliseconds timeout,
+    const Progress& progress) {
   const auto t0 = std::chrono::steady_clock::now();
   TORCH_CHECK_VALUE(
       src >= 0 && src < pg->getSize(), "src must be a rank of the group (0..", pg->getSize() - 1, "), got ", src,
       " on rank ", pg->getRank());
   RunStats stats;
-  if (plan.unique.empty()) return stats;
+  if (plan.unique.empty() && plan.buckets.empty()) return stats;
   check_backend(plan, pg);
   const bool is_src = pg->getRank() == src;
   const bool cuda = plan.device.is_cuda();
@@ -102,7 +107,8 @@ RunStats broadcast_plan(
         const auto& first = plan.unique[group[i]];
         int64_t nbytes = first.nbytes;
         while (plan.unique[group[i]].joins_next) nbytes += plan.unique[group[++i]].nbytes;
-        std::vector<at::Tensor> v{nbytes == first.nbytes ? as_bytes(first.tensor) : span_bytes(first.tensor, nbytes)};
+        const auto& t = plan.tensor(first);
+        std::vector<at::Tensor> v{nbytes == first.nbytes ? as_bytes(t) : span_bytes(t, nbytes)};
         auto work = pg->broadcast(v, opts);
         if (!coalesce && work) work->wait();
       }
@@ -137,6 +143,10 @@ RunStats broadcast_plan(
   auto arena = at::empty({ring_bytes + exec->table_bytes()}, at::TensorOptions().dtype(at::kByte).device(plan.device));
   stats.ring_bytes = arena.numel();
   exec->set_table(arena.narrow(0, ring_bytes, exec->table_bytes()));
+  const bool report = is_src && progress.report;
+  auto next_report = t0 + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              std::chrono::duration<double>(progress.every));
+  int64_t queued = 0;
   for (int64_t k = 0; k < static_cast<int64_t>(plan.buckets.size()); ++k) {
     const int64_t s = k % plan.ring_slots;
     auto slot = arena.narrow(0, s * plan.slot_bytes, plan.buckets[k].nbytes);
@@ -150,15 +160,29 @@ RunStats broadcast_plan(
       c10::OptionalStreamGuard comm(exec->stream(Lane::kComm));
       exec->wait(Lane::kComm, s);
       broadcast(slot);
+      // A load's source writes its own shards too, on the comm lane: on the
+      // copy lane they would hold the next bucket's host copy behind this broadcast.
+      if (is_src && plan.is_load) exec->scatter(k, slot, Lane::kComm);
       exec->signal(Lane::kComm, s);
     }
     if (!is_src) {
       exec->wait(Lane::kCopy, s);
-      exec->unpack(k, slot);
+      if (plan.is_load) {
+        exec->scatter(k, slot, Lane::kCopy);
+      } else {
+        exec->unpack(k, slot);
+      }
       exec->signal(Lane::kCopy, s);
     }
     if (throttle.active()) throttle.after(*exec->stream(is_src ? Lane::kComm : Lane::kCopy));  // its last step's lane
+    queued += plan.buckets[k].nbytes;
+    if (report && std::chrono::steady_clock::now() >= next_report) {
+      progress.report(queued);
+      next_report = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                            std::chrono::duration<double>(progress.every));
+    }
   }
+  stats.host_ring_bytes = exec->host_bytes();
   exec->end();
   finish(plan, is_src, stats, t0);
   return stats;

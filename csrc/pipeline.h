@@ -7,20 +7,30 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
+#include <functional>
 
 #include "plan.h"
 
 namespace coalesced_bcast {
 
 struct RunStats {
-  double seconds = 0;       // host wall time of the call (work may still be queued on CUDA)
-  int64_t ring_bytes = 0;   // device bytes held for the ring and its copy table
+  double seconds = 0;            // host wall time of the call (work may still be queued on CUDA)
+  int64_t ring_bytes = 0;        // device bytes held for the ring and its copy table
+  int64_t host_ring_bytes = 0;   // pinned host bytes of a load's host stage (its source)
+};
+
+// Called on the source every `every` seconds at most with the bytes queued so
+// far (a long load's progress); not called when empty.
+struct Progress {
+  std::function<void(int64_t)> report;
+  double every = 0;
 };
 
 RunStats broadcast_plan(
     const Plan& plan,
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     int64_t src,
-    std::chrono::milliseconds timeout);
+    std::chrono::milliseconds timeout,
+    const Progress& progress = {});
 
 }  // namespace coalesced_bcast

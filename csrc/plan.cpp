@@ -10,6 +10,15 @@
 namespace coalesced_bcast {
 namespace {
 
+int64_t fnv1a(const int64_t* p, int64_t n) {
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t i = 0; i < n; ++i) {
+    h ^= static_cast<uint64_t>(p[i]);
+    h *= 1099511628211ull;
+  }
+  return static_cast<int64_t>(h);
+}
+
 // Group sizes NCCL handles comfortably inside one ncclGroupStart/End.
 constexpr size_t kMaxGroupOps = 64;
 
@@ -37,48 +46,22 @@ void check_input(const Plan& plan, int64_t i, const at::Tensor& t) {
   TORCH_CHECK_VALUE(
       t.device() == plan.device, plan.describe(i), " is on ", t.device(), " but ", plan.describe(0), " is on ",
       plan.device, "; every tensor of one call must be on one device");
-  TORCH_CHECK_VALUE(
-      at::has_internal_overlap(t) != at::MemOverlap::Yes, plan.describe(i), " (shape ", shape_str(t.sizes()),
-      ", strides ", shape_str(t.strides()), ") overlaps itself in memory (an expanded view?); pass a real tensor");
 }
 
-// Drops size-1 dims and merges dims that are contiguous with each other, so
-// the kernel's index arithmetic touches as few dims as possible.
-Layout collapse(const Plan& plan, int64_t input, const at::Tensor& t) {
-  std::vector<int64_t> sizes, strides;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    if (t.size(d) == 1) continue;
-    if (!sizes.empty() && strides.back() == t.stride(d) * t.size(d)) {
-      sizes.back() *= t.size(d);
-      strides.back() = t.stride(d);
-    } else {
-      sizes.push_back(t.size(d));
-      strides.push_back(t.stride(d));
-    }
-  }
-  TORCH_CHECK_VALUE(
-      static_cast<int64_t>(sizes.size()) <= kMaxDims, plan.describe(input), " is a non-contiguous view with ",
-      sizes.size(), " non-mergeable dims (sizes ", shape_str(t.sizes()), ", strides ", shape_str(t.strides()),
-      "); at most ", kMaxDims, " are supported: make it contiguous first");
-  Layout l{};
-  l.ndim = static_cast<int32_t>(sizes.size());
-  for (size_t d = 0; d < sizes.size(); ++d) {
-    l.sizes[d] = sizes[d];
-    l.strides[d] = strides[d];
-  }
-  return l;
-}
 
 // Address range [lo, hi) that a tensor's elements can touch.
-std::pair<uintptr_t, uintptr_t> extent(const UniqueTensor& u) {
-  if (u.contiguous) return {u.ptr, u.ptr + static_cast<uintptr_t>(u.nbytes)};
+std::pair<uintptr_t, uintptr_t> extent(const at::Tensor& t, uintptr_t ptr, int64_t nbytes, bool contiguous) {
+  if (contiguous) return {ptr, ptr + static_cast<uintptr_t>(nbytes)};
   int64_t last = 0;
-  for (int64_t d = 0; d < u.tensor.dim(); ++d) last += (u.tensor.size(d) - 1) * u.tensor.stride(d);
-  return {u.ptr, u.ptr + static_cast<uintptr_t>((last + 1) * u.elem_size)};
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return {ptr, ptr + static_cast<uintptr_t>((last + 1) * t.element_size())};
 }
 
 // Two different tensors sharing bytes would be written twice from different
 // places of the source; refuse it rather than depend on the order of writes.
+// Only reached when the sorted extents of the unique tensors touch (rare):
+// interleaved strided views (x[:, ::2] and x[:, 1::2]) share an extent without
+// sharing bytes, so only a proven overlap is an error.
 void check_no_overlap(const Plan& plan) {
   struct Span {
     uintptr_t lo, hi;
@@ -86,17 +69,16 @@ void check_no_overlap(const Plan& plan) {
   };
   std::vector<Span> spans;
   for (size_t u = 0; u < plan.unique.size(); ++u) {
-    if (plan.unique[u].nbytes == 0) continue;
-    auto e = extent(plan.unique[u]);
+    const auto& x = plan.unique[u];
+    if (x.nbytes == 0) continue;
+    auto e = extent(plan.tensor(x), x.ptr, x.nbytes, x.contiguous);
     spans.push_back({e.first, e.second, static_cast<int64_t>(u)});
   }
   std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.lo < b.lo; });
   for (size_t i = 0; i < spans.size(); ++i) {
     for (size_t j = i + 1; j < spans.size() && spans[j].lo < spans[i].hi; ++j) {
-      const auto& a = plan.unique[spans[i].u].tensor;
-      const auto& b = plan.unique[spans[j].u].tensor;
-      // Interleaved strided views (x[:, ::2] and x[:, 1::2]) share an extent
-      // without sharing bytes; only a proven overlap is an error.
+      const auto& a = plan.tensor(plan.unique[spans[i].u]);
+      const auto& b = plan.tensor(plan.unique[spans[j].u]);
       auto status = at::get_overlap_status(a, b);
       TORCH_CHECK_VALUE(
           status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial,
@@ -106,6 +88,28 @@ void check_no_overlap(const Plan& plan) {
           ") are different views of overlapping memory; pass each storage region once");
     }
   }
+}
+
+// One step of the hashes ranks compare (structure, routes, a kept plan's
+// inputs): cheap, and every bit of `v` reaches every bit of the result.
+uint64_t mix(uint64_t h, uint64_t v) {
+  h = (h ^ v) * 0x9E3779B97F4A7C15ull;
+  return h ^ (h >> 29);
+}
+
+// dtype, sizes, strides and storage offset: what a kept plan's copy table
+// depends on besides the address.
+uint64_t shape_hash(const c10::TensorImpl& t) {
+  uint64_t h = mix(static_cast<uint64_t>(t.dtype().toScalarType()), static_cast<uint64_t>(t.dim()));
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
+  for (size_t d = 0; d < sizes.size(); ++d) h = mix(mix(h, sizes[d]), strides[d]);
+  return mix(h, static_cast<uint64_t>(t.storage_offset()));
+}
+
+InputKey key_of(const at::Tensor& t, uintptr_t addr) {
+  const auto* impl = t.unsafeGetTensorImpl();
+  return InputKey{addr, impl->storage().unsafeGetStorageImpl(), shape_hash(*impl)};
 }
 
 // Runs come out in stream order, so they are already sorted by bucket and by
@@ -125,7 +129,7 @@ void lay_out_buckets(Plan& plan) {
     if (u.inplace || u.nbytes == 0) continue;
     int32_t layout = -1;
     if (!u.contiguous) {
-      plan.layouts.push_back(collapse(plan, u.first_input, u.tensor));
+      plan.layouts.push_back(collapse_layout(plan.tensor(u), [&] { return plan.describe(u.first_input); }));
       layout = static_cast<int32_t>(plan.layouts.size() - 1);
     }
     const auto ptr = static_cast<uint64_t>(u.ptr);
@@ -215,9 +219,37 @@ void lay_out(Plan& plan) {
   group_inplace(plan);
   lay_out_buckets(plan);
   validate_copy_table(plan);
+  uint64_t h = mix(2, plan.unique.size());
+  for (const auto& u : plan.unique) h = mix(h, route_bits(u));
+  plan.routes_hash = static_cast<int64_t>(h);
 }
 
 }  // namespace
+
+Layout collapse_layout(const at::Tensor& t, const std::function<std::string()>& what) {
+  std::vector<int64_t> sizes, strides;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) == 1) continue;
+    if (!sizes.empty() && strides.back() == t.stride(d) * t.size(d)) {
+      sizes.back() *= t.size(d);
+      strides.back() = t.stride(d);
+    } else {
+      sizes.push_back(t.size(d));
+      strides.push_back(t.stride(d));
+    }
+  }
+  TORCH_CHECK_VALUE(
+      static_cast<int64_t>(sizes.size()) <= kMaxDims, what(), " is a non-contiguous view with ", sizes.size(),
+      " non-mergeable dims (sizes ", shape_str(t.sizes()), ", strides ", shape_str(t.strides()), "); at most ",
+      kMaxDims, " are supported: make it contiguous first");
+  Layout l{};
+  l.ndim = static_cast<int32_t>(sizes.size());
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    l.sizes[d] = sizes[d];
+    l.strides[d] = strides[d];
+  }
+  return l;
+}
 
 std::string Plan::describe(int64_t input) const {
   std::ostringstream s;
@@ -228,7 +260,7 @@ std::string Plan::describe(int64_t input) const {
 }
 
 Plan make_plan(
-    const std::vector<at::Tensor>& tensors,
+    std::vector<at::Tensor> tensors,
     const std::vector<std::string>& names,
     const PlanOptions& options) {
   Plan plan;
@@ -243,84 +275,136 @@ Plan make_plan(
   TORCH_CHECK_VALUE(options.ring_depth >= 1, "ring_depth must be at least 1, got ", options.ring_depth);
   TORCH_CHECK_VALUE(options.inplace_min_bytes >= 0, "inplace_min_bytes must be >= 0, got ", options.inplace_min_bytes);
   if (!tensors.empty() && tensors[0].defined()) plan.device = tensors[0].device();
+  plan.inputs = std::move(tensors);
+  const auto& inputs = plan.inputs;
 
-  // First pass: checks and what we need of each tensor, read once (each
-  // TensorImpl's first touch is a cache miss; at 16k tensors that is the cost).
+  // One pass reads what we need of each tensor, once: at 16k tensors each
+  // TensorImpl's first touch (a cache miss) is most of the planner's cost.
   struct Seen {
-    uintptr_t addr;
     int64_t nbytes;
     int32_t elem_size;
     bool contiguous;
   };
-  const auto n = static_cast<int64_t>(tensors.size());
+  // An input's bytes [lo, hi), sorted once: equal ranges are aliases, and
+  // ranges that touch are checked for overlap.
+  struct Span {
+    uintptr_t lo, hi;
+    int64_t input;
+    bool operator<(const Span& o) const {
+      return std::tie(lo, hi, input) < std::tie(o.lo, o.hi, o.input);
+    }
+  };
+  const auto n = static_cast<int64_t>(inputs.size());
   std::vector<Seen> seen(n);
-  std::vector<int64_t> ranges;  // contiguous, non-empty inputs
-  ranges.reserve(n);
+  std::vector<Span> spans;
+  spans.reserve(n);
+  plan.keys.resize(n);
+  std::vector<uint64_t> record_hash(n);  // what the fingerprint records of each input, hashed
   for (int64_t i = 0; i < n; ++i) {
-    const auto& t = tensors[i];
+    const auto& t = inputs[i];
     check_input(plan, i, t);
+    const auto* impl = t.unsafeGetTensorImpl();
+    const auto sizes = impl->sizes();
     const auto elem_size = static_cast<int32_t>(t.element_size());
     const int64_t nbytes = static_cast<int64_t>(t.numel()) * elem_size;
-    seen[i] = Seen{nbytes > 0 ? reinterpret_cast<uintptr_t>(t.data_ptr()) : 0, nbytes, elem_size, t.is_contiguous()};
-    if (nbytes > 0 && seen[i].contiguous) ranges.push_back(i);
-  }
-  // The same bytes named twice (tied weights, one buffer registered in two
-  // modules, a reshaped alias) are sent once: contiguous tensors are keyed by
-  // their byte range. Sorting (rather than hashing) allocates nothing per tensor.
-  std::vector<int64_t> alias(n, -1);  // input -> the first input naming the same bytes
-  std::sort(ranges.begin(), ranges.end(), [&](int64_t a, int64_t b) {
-    return std::tie(seen[a].addr, seen[a].nbytes, a) < std::tie(seen[b].addr, seen[b].nbytes, b);
-  });
-  for (size_t k = 1; k < ranges.size(); ++k) {
-    const auto& a = seen[ranges[k - 1]];
-    const auto& b = seen[ranges[k]];
-    if (a.addr == b.addr && a.nbytes == b.nbytes) {
-      alias[ranges[k]] = alias[ranges[k - 1]] >= 0 ? alias[ranges[k - 1]] : ranges[k - 1];
+    const bool contiguous = t.is_contiguous();
+    TORCH_CHECK_VALUE(
+        contiguous || at::has_internal_overlap(t) != at::MemOverlap::Yes, plan.describe(i), " (shape ",
+        shape_str(t.sizes()), ", strides ", shape_str(t.strides()),
+        ") overlaps itself in memory (an expanded view?); pass a real tensor");
+    const auto addr = nbytes > 0 ? reinterpret_cast<uintptr_t>(t.data_ptr()) : 0;
+    seen[i] = Seen{nbytes, elem_size, contiguous};
+    plan.keys[i] = key_of(t, addr);
+    uint64_t h = mix(mix(static_cast<uint64_t>(t.scalar_type()), sizes.size()), nbytes);
+    for (const auto s : sizes) h = mix(h, s);
+    record_hash[i] = h;
+    if (nbytes > 0) {
+      const auto e = extent(t, addr, nbytes, contiguous);
+      spans.push_back(Span{e.first, e.second, i});
     }
   }
-  // A strided view is the same tensor only with the same address, shape,
-  // strides and dtype; such views are rare, a multimap is enough.
-  std::unordered_multimap<uintptr_t, int64_t> strided_by_addr;
-  plan.input_to_unique.reserve(n);
+  std::sort(spans.begin(), spans.end());
+  // The same bytes named twice (tied weights, one buffer registered in two
+  // modules, a reshaped alias) are sent once: contiguous inputs with the same
+  // range, or strided views with the same address, shape, strides and dtype.
+  // Within a run of equal ranges the first input is the lowest.
+  std::vector<int64_t> alias(n, -1);  // input -> the first input naming the same bytes
+  bool touching = false;              // do the extents of two distinct tensors meet?
+  uintptr_t max_hi = 0;
+  for (size_t k = 0; k < spans.size();) {
+    size_t end = k + 1;
+    while (end < spans.size() && spans[end].lo == spans[k].lo && spans[end].hi == spans[k].hi) ++end;
+    for (size_t j = k + 1; j < end; ++j) {
+      const auto& b = inputs[spans[j].input];
+      for (size_t r = k; r < j; ++r) {
+        const auto ri = spans[r].input;
+        if (alias[ri] >= 0) continue;
+        const auto& a = inputs[ri];
+        const bool same = seen[ri].contiguous ? seen[spans[j].input].contiguous
+                                              : (!seen[spans[j].input].contiguous && a.sizes() == b.sizes() &&
+                                                 a.strides() == b.strides() && a.scalar_type() == b.scalar_type());
+        if (same) {
+          alias[spans[j].input] = ri;
+          break;
+        }
+      }
+      touching |= alias[spans[j].input] < 0;  // same extent, not the same tensor: check below
+    }
+    touching |= spans[k].lo < max_hi;
+    max_hi = std::max(max_hi, spans[k].hi);
+    k = end;
+  }
+  plan.input_to_unique.resize(n);
   plan.unique.reserve(n);
+  uint64_t fp_hash = mix(1, n);
   for (int64_t i = 0; i < n; ++i) {
-    const auto& t = tensors[i];
-    const auto& s = seen[i];
     if (alias[i] >= 0) {
-      plan.input_to_unique.push_back(plan.input_to_unique[alias[i]]);
+      plan.input_to_unique[i] = plan.input_to_unique[alias[i]];
       continue;
     }
-    if (s.nbytes > 0 && !s.contiguous) {
-      auto range = strided_by_addr.equal_range(s.addr);
-      auto same = std::find_if(range.first, range.second, [&](const auto& kv) {
-        const auto& o = plan.unique[kv.second].tensor;
-        return o.sizes() == t.sizes() && o.strides() == t.strides() && o.scalar_type() == t.scalar_type();
-      });
-      if (same != range.second) {
-        plan.input_to_unique.push_back(same->second);
-        continue;
-      }
-      strided_by_addr.emplace(s.addr, static_cast<int64_t>(plan.unique.size()));
-    }
+    const auto& s = seen[i];
+    const auto addr = plan.keys[i].addr;
     // In place only for whole, aligned 16-byte words: NCCL's LL protocol reads
     // up to a word past the end of a buffer (compute-sanitizer memcheck on H200,
     // NCCL 2.28.9), harmless inside our ring slots but not at a tensor's end.
-    const bool eligible = s.contiguous && s.nbytes > 0 && s.nbytes % kAlign == 0 && s.addr % kAlign == 0;
-    plan.input_to_unique.push_back(static_cast<int64_t>(plan.unique.size()));
-    plan.unique.push_back(
-        UniqueTensor{t, i, s.nbytes, s.addr, s.elem_size, s.contiguous, eligible, false, false, false});
+    const bool eligible = s.contiguous && s.nbytes > 0 && s.nbytes % kAlign == 0 && addr % kAlign == 0;
+    plan.input_to_unique[i] = static_cast<int64_t>(plan.unique.size());
+    plan.unique.push_back(UniqueTensor{i, s.nbytes, addr, s.elem_size, s.contiguous, eligible, false, false, false});
     plan.total_bytes += s.nbytes;
+    fp_hash = mix(fp_hash, record_hash[i]);
   }
-  check_no_overlap(plan);
+  if (touching) check_no_overlap(plan);
   for (size_t u = 0; u + 1 < plan.unique.size(); ++u) {
     auto& a = plan.unique[u];
     const auto& b = plan.unique[u + 1];
     a.adjacent_next = a.eligible && b.eligible && a.ptr + static_cast<uintptr_t>(a.nbytes) == b.ptr &&
-        a.tensor.storage().unsafeGetStorageImpl() == b.tensor.storage().unsafeGetStorageImpl();
+        plan.keys[a.first_input].storage == plan.keys[b.first_input].storage;
   }
+  fp_hash = mix(fp_hash, plan.unique.size());
+  for (const auto u : plan.input_to_unique) fp_hash = mix(fp_hash, u);
+  plan.fp_hash = static_cast<int64_t>(fp_hash);
   choose_routes(plan);
   lay_out(plan);
   return plan;
+}
+
+std::string Plan::check_unchanged() const {
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const auto& t = inputs[i];
+    const auto& k = keys[i];
+    const auto addr = t.numel() > 0 && t.has_storage() ? reinterpret_cast<uintptr_t>(t.data_ptr()) : 0;
+    const auto now = key_of(t, addr);
+    if (now.addr != k.addr || now.storage != k.storage) {
+      return describe(static_cast<int64_t>(i)) + " was re-allocated since the plan was made (its data moved)";
+    }
+    if (now.shape_hash != k.shape_hash) {
+      std::ostringstream s;
+      s << describe(static_cast<int64_t>(i)) << " changed shape, strides or dtype since the plan was made (now "
+        << t.sizes() << ", strides " << t.strides() << ", " << t.scalar_type() << ")";
+      return s.str();
+    }
+  }
+  return "";
 }
 
 at::Tensor Plan::routes() const {
@@ -379,6 +463,7 @@ void validate_copy_table(const Plan& plan) {
   }
 }
 
+// Only built when ranks' hashes differ (to say where): from the held inputs.
 at::Tensor Plan::fingerprint() const {
   const auto n_unique = static_cast<int64_t>(unique.size());
   const auto n_inputs = static_cast<int64_t>(input_to_unique.size());
@@ -389,7 +474,7 @@ at::Tensor Plan::fingerprint() const {
   p[2] = n_unique;
   int64_t* r = p + kFingerprintHeader;
   for (const auto& u : unique) {
-    const auto& t = u.tensor;
+    const auto& t = tensor(u);
     r[0] = static_cast<int64_t>(t.scalar_type());
     r[1] = t.dim();
     r[2] = u.nbytes;
@@ -400,17 +485,6 @@ at::Tensor Plan::fingerprint() const {
   return fp;
 }
 
-namespace {
-int64_t fnv1a(const int64_t* p, int64_t n) {
-  uint64_t h = 1469598103934665603ull;
-  for (int64_t i = 0; i < n; ++i) {
-    h ^= static_cast<uint64_t>(p[i]);
-    h *= 1099511628211ull;
-  }
-  return static_cast<int64_t>(h);
-}
-}  // namespace
-
 int64_t hash_words(const at::Tensor& words) {
   TORCH_CHECK(words.scalar_type() == at::kLong && words.is_contiguous() && words.is_cpu(),
               "hash_words wants a contiguous cpu int64 tensor, got ", words.toString());
@@ -418,11 +492,9 @@ int64_t hash_words(const at::Tensor& words) {
 }
 
 std::tuple<int64_t, int64_t, int64_t> Plan::digest() const {
-  const auto fp = fingerprint();
-  std::vector<int64_t> r;
-  r.reserve(unique.size());
-  for (const auto& u : unique) r.push_back(route_bits(u));  // as routes(), widened
-  return {fp.numel(), hash_words(fp), fnv1a(r.data(), static_cast<int64_t>(r.size()))};
+  const auto fp_len = kFingerprintHeader + static_cast<int64_t>(unique.size()) * kFingerprintRecord +
+      static_cast<int64_t>(input_to_unique.size());
+  return {fp_len, fp_hash, routes_hash};
 }
 
 }  // namespace coalesced_bcast

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -14,20 +15,24 @@
 
 namespace coalesced_bcast {
 
+// The library's defaults (coalesced_bcast.DEFAULT_*, which the Python layer
+// reads from here, and the perf binary's): why each value, in sync.py.
 struct PlanOptions {
-  int64_t bucket_bytes = 16 << 20;
+  int64_t bucket_bytes = 32 << 20;
   int64_t ring_depth = 3;
   int64_t inplace_min_bytes = 4 << 20;
-  int64_t coalesce_bytes = 256 << 20;
+  int64_t coalesce_bytes = int64_t{1} << 30;
   // A call with at most this many tensors below inplace_min_bytes sends them
   // in place too: for a handful, an NCCL group op each costs less than a ring.
-  int64_t small_inplace_max = 0;
+  int64_t small_inplace_max = 8;
   int64_t rank = -1;  // this process's rank, for error messages only
+  // Host threads that copy a load's runs from (pageable) host memory into the
+  // pinned staging ring, on the source.
+  int64_t copy_threads = 1;
 };
 
 struct UniqueTensor {
-  at::Tensor tensor;
-  int64_t first_input;  // the first input that names these bytes
+  int64_t first_input;  // the first input that names these bytes (Plan::tensor() gives it)
   int64_t nbytes;
   uintptr_t ptr;  // address of the first element, read once
   int32_t elem_size;
@@ -44,13 +49,31 @@ struct UniqueTensor {
 
 struct Bucket {
   int64_t nbytes;
-  int64_t first_op;
+  int64_t first_op;  // packed runs (a sync's runs are unpacked from the same table)
   int64_t num_ops;
+  // Loads only: the source's runs that come from host memory, and the runs
+  // this rank writes out of the bucket, with the scatter kernel's chunk count.
+  int64_t first_host = 0;
+  int64_t num_host = 0;
+  int64_t first_scatter = 0;
+  int64_t num_scatter = 0;
+  int64_t scatter_chunks = 0;
+};
+
+// What a kept plan checks before each run: the input still points at the
+// same bytes with the same shape, strides and dtype. Values may change (that is
+// what a repeated sync sends), so the version counter is not part of it.
+struct InputKey {
+  uintptr_t addr;
+  const void* storage;
+  uint64_t shape_hash;  // dtype, sizes, strides, storage offset
 };
 
 struct Plan {
   at::Device device{at::kCPU};
   PlanOptions options;
+  std::vector<at::Tensor> inputs;  // held for the plan's life: the copy table points into them
+  std::vector<InputKey> keys;      // per input, as planned
   std::vector<std::string> names;  // per input, may be empty
   std::vector<int64_t> input_to_unique;
   std::vector<UniqueTensor> unique;
@@ -65,6 +88,24 @@ struct Plan {
   int64_t packed_bytes = 0;  // of which go through buckets
   int64_t ring_slots = 0;    // min(ring_depth, buckets)
   int64_t slot_bytes = 0;    // bytes per ring slot, <= bucket_bytes
+  // The digest's hashes, made while planning: a kept plan is agreed on before
+  // every run. fp_hash covers what fingerprint() holds (ranks compare it first).
+  int64_t fp_hash = 0;
+  int64_t routes_hash = 0;
+
+  // Loads (make_load_plan): `inputs` are the source's checkpoint tensors (none
+  // elsewhere), `dests` what this rank writes, on every rank the source included.
+  bool is_load = false;
+  std::vector<at::Tensor> dests;
+  std::vector<CopyOp> host_ops;  // the source's runs in host memory, into a device ring
+  std::vector<ScatterOp> scatter;
+  std::vector<Box> boxes;
+
+  const at::Tensor& tensor(const UniqueTensor& u) const {
+    return inputs[u.first_input];
+  }
+  // "" while every input still matches its key; else which one changed and how.
+  std::string check_unchanged() const;
 
   // "tensor 3 ('layers.0.weight') on rank 1": how every message names a tensor.
   std::string describe(int64_t input) const;
@@ -87,13 +128,41 @@ struct Plan {
 int64_t hash_words(const at::Tensor& words);
 
 Plan make_plan(
-    const std::vector<at::Tensor>& tensors,
+    std::vector<at::Tensor> tensors,
     const std::vector<std::string>& names,
     const PlanOptions& options);
+
+struct LoadOptions {
+  int64_t bucket_bytes = 32 << 20;
+  int64_t ring_depth = 3;
+  int64_t rank = -1;
+  int64_t copy_threads = 1;
+  c10::Device device{at::kCPU};  // the model's
+};
+
+// A load of checkpoint tensors ("units") that one rank holds in full into the
+// parts of them that each rank holds. `units`: int64 [n, 2 + kMaxDims], per
+// unit its dtype, ndim and sizes; `sources`: the source's tensors, one per
+// unit (empty on other ranks), on the CPU or the model's device; `dests`: this
+// rank's local tensors, with `dest_meta`: int64 [m, 1 + kMaxDims], the unit
+// each takes and the global offset of the box it holds (its local shape is the
+// box's extent). Every rank lays out the same stream and buckets.
+Plan make_load_plan(
+    const at::Tensor& units,
+    std::vector<at::Tensor> sources,
+    std::vector<at::Tensor> dests,
+    const at::Tensor& dest_meta,
+    const LoadOptions& options);
+
+// A strided tensor's layout for the copy kernels: size-1 dims dropped and dims
+// contiguous with each other merged, so the index arithmetic touches as few
+// dims as possible. More than kMaxDims left raises, naming `what()`.
+Layout collapse_layout(const at::Tensor& t, const std::function<std::string()>& what);
 
 // Bounds-checks the copy table against the tensors and buckets it points into;
 // called before anything is launched.
 void validate_copy_table(const Plan& plan);
+void validate_load_table(const Plan& plan);
 
 // Fingerprint layout: a header, one fixed-size record per unique tensor, then
 // one entry per input.

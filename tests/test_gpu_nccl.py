@@ -108,3 +108,95 @@ def _memory_body(rank, world_size):
 
 def test_memory_rule_llama8b():
     run_ranks(2, _memory_body, backend="nccl", timeout=300)
+
+
+def _load_body(rank, world_size):
+    """load_full_state_dict through the engine on GPUs: DTensor shards (uneven Shard(0), Shard(1),
+    Replicate), every kind of source (pinned, pageable, strided CPU, the source's GPU), casts with NaN
+    payloads (bitwise as torch's CUDA copy_), a ring as the only extra memory."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dev = torch.device("cuda", rank)
+    mesh = init_device_mesh("cuda", (world_size,))
+    shapes = {"a": ((1001, 515), [Shard(0)], torch.bfloat16), "b": ((64, 3001), [Shard(1)], torch.bfloat16),
+              "c": ((4099,), [Replicate()], torch.float32), "d": ((3, 5, 7), [Shard(2)], torch.float16),
+              "big": ((3000, 1024), [Shard(0)], torch.bfloat16)}
+    shapes.update({f"s{i}": ((100 + i,), [Shard(0)], torch.bfloat16) for i in range(300)})
+
+    def model(cast: bool):
+        m = nn.Module()
+        for k, (shape, pl, dt) in shapes.items():
+            dt = torch.bfloat16 if cast and dt == torch.float32 else dt
+            m.register_parameter(k, nn.Parameter(distribute_tensor(torch.full(shape, -1.0, dtype=dt, device=dev),
+                                                                   mesh, pl)))
+        return m
+
+    g = torch.Generator().manual_seed(11)
+    full = {}
+    for k, (shape, _, dt) in shapes.items():
+        t = torch.empty(shape, dtype=dt)
+        t.view(torch.uint8).copy_(torch.randint(0, 256, (t.numel() * t.element_size(),), generator=g,
+                                                dtype=torch.uint8).view(t.view(torch.uint8).shape))
+        full[k] = t
+    for source in ("pinned", "pageable", "strided", "gpu"):
+        for cast in (False, True):
+            m = model(cast)
+            sd = None
+            if rank == 0:
+                if source == "pinned":
+                    sd = {k: v.pin_memory() for k, v in full.items()}
+                elif source == "pageable":
+                    sd = dict(full)
+                elif source == "strided":
+                    sd = {k: v.t().contiguous().t() if v.dim() == 2 else v for k, v in full.items()}
+                else:
+                    sd = {k: v.to(dev) for k, v in full.items()}
+            torch.cuda.synchronize()
+            base_alloc, base_res = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+            torch.cuda.reset_peak_memory_stats()
+            stats = coalesced_bcast.load_full_state_dict(m, sd, src=0, bucket_bytes=1 << 20, copy_threads=4)
+            torch.cuda.synchronize()
+            extra_alloc = torch.cuda.max_memory_allocated() - base_alloc
+            extra_res = torch.cuda.max_memory_reserved() - base_res
+            assert extra_alloc <= stats.ring_bytes + MiB, (source, cast, extra_alloc, stats.ring_bytes)
+            assert extra_res <= stats.ring_bytes + 4 * MiB, (source, cast, extra_res, stats.ring_bytes)
+            for k, (shape, pl, dt) in shapes.items():
+                got = getattr(m, k)
+                want = full[k].to(dev).to(got.dtype)  # torch's own CUDA cast
+                want = distribute_tensor(want, mesh, pl)._local_tensor
+                assert torch.equal(got._local_tensor.view(torch.uint8), want.view(torch.uint8)), \
+                    f"rank {rank} source {source} cast {cast}: '{k}' differs"
+            assert stats.cast_keys == (1 if cast else 0)
+            print(f"rank {rank} load from {source} cast={cast}: {stats.buckets} buckets, extra allocated "
+                  f"{extra_alloc / MiB:.1f} MiB, reserved {extra_res / MiB:.1f} MiB, host ring "
+                  f"{stats.host_ring_bytes / MiB:.1f} MiB", flush=True)
+
+
+def test_load_full_state_dict_on_gpus():
+    run_ranks(2, _load_body, backend="nccl", timeout=300)
+
+
+def _kept_plan_body(rank, world_size):
+    """A kept plan on GPUs: 5 runs of new values, bitwise, no memory growth after the first."""
+    dev = torch.device("cuda", rank)
+    tensors = [torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in [(1000 + 17 * i,) for i in range(2000)]]
+    tensors += [torch.zeros(4096, 1024, dtype=torch.bfloat16, device=dev)]
+    plan = coalesced_bcast.plan_sync(tensors, src=0)
+    for step in range(5):
+        if rank == 0:
+            for i, t in enumerate(tensors):
+                t.view(torch.int16).fill_(step * 131 + i)
+        if step == 1:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        plan.run()
+        torch.cuda.synchronize()
+        bad = [i for i, t in enumerate(tensors) if not bool((t.view(torch.int16) == step * 131 + i).all())]
+        assert not bad, f"rank {rank} step {step}: {bad[:5]}"
+    assert (torch.cuda.memory_allocated(), torch.cuda.memory_reserved()) == base
+
+
+def test_kept_plan_on_gpus():
+    run_ranks(2, _kept_plan_body, backend="nccl", timeout=300)

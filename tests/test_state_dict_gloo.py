@@ -18,7 +18,7 @@ from dist_utils import run_ranks
 from zoo import bits, fill_random_bytes, same_bits
 
 import coalesced_bcast
-from coalesced_bcast.state_dict import LoadStateDictError, _range_boxes, load_full_state_dict
+from coalesced_bcast.state_dict import LoadStateDictError, load_full_state_dict
 
 SMALL = dict(bucket_bytes=4096)  # most tensors span several buckets
 
@@ -321,20 +321,6 @@ def run_all_2(rank: int, ws: int) -> None:
 def run_all_3(rank: int, ws: int) -> None:
     check_fsdp2(rank, ws)
     check_errors(rank, ws)
-
-
-def test_range_boxes_cover_exactly() -> None:
-    shape = (3, 4, 5)
-    n = 60
-    for e0 in range(0, n, 7):
-        for e1 in range(e0, n + 1, 5):
-            seen = torch.zeros(shape, dtype=torch.int32)
-            for lo, hi in _range_boxes(shape, e0, e1):
-                seen[tuple(slice(a, b) for a, b in zip(lo, hi))] += 1
-            want = torch.zeros(n, dtype=torch.int32)
-            want[e0:e1] = 1
-            assert torch.equal(seen.view(-1), want), (e0, e1)
-            assert len(_range_boxes(shape, e0, e1)) <= 5
 
 
 def test_exported() -> None:

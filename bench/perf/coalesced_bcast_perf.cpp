@@ -770,7 +770,7 @@ void copy_inplace(const Plan& src, const Plan& dst) {
   for (size_t u = 0; u < src.unique.size(); ++u) {
     if (!src.unique[u].inplace) continue;
     TORCH_CHECK(dst.unique[u].inplace, "unique tensor ", u, " is in place on the source only");
-    dst.unique[u].tensor.view({-1}).view(at::kByte).copy_(src.unique[u].tensor.view({-1}).view(at::kByte));
+    dst.tensor(dst.unique[u]).view({-1}).view(at::kByte).copy_(src.tensor(src.unique[u]).view({-1}).view(at::kByte));
   }
 }
 

@@ -3,6 +3,7 @@
     import coalesced_bcast
     stats = coalesced_bcast.sync_module(model, src=0)            # every parameter and buffer
     stats = coalesced_bcast.broadcast_tensors(tensors, src=0)    # any list of tensors
+    plan = coalesced_bcast.plan_sync(model, src=0); plan.run()   # the same tensors, again and again
 """
 from .agree import AgreementError, CollectiveError
 from .sync import (
@@ -10,8 +11,10 @@ from .sync import (
     DEFAULT_COALESCE_BYTES,
     DEFAULT_INPLACE_MIN_BYTES,
     DEFAULT_RING_DEPTH,
+    SyncPlan,
     SyncStats,
     broadcast_tensors,
+    plan_sync,
     sync_module,
 )
 from . import fsdp
@@ -30,7 +33,9 @@ __all__ = [
     "DEFAULT_COALESCE_BYTES",
     "DEFAULT_INPLACE_MIN_BYTES",
     "DEFAULT_RING_DEPTH",
+    "SyncPlan",
     "SyncStats",
+    "plan_sync",
     "broadcast_tensors",
     "sync_module",
     "fsdp",

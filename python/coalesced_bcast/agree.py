@@ -158,12 +158,16 @@ def _run(name: str, pg: dist.ProcessGroup, timeout: Optional[timedelta], start) 
             f"called another collective. The group is unusable now. Cause: {e}") from e
 
 
-def payload_broadcast(plan, pg: dist.ProcessGroup, src: int, timeout: Optional[float | timedelta]):
-    """plan.broadcast (the C++ core), with a failure turned into a CollectiveError that says what it means."""
+def payload_broadcast(plan, pg: dist.ProcessGroup, src: int, timeout: Optional[float | timedelta], progress=None,
+                      progress_seconds: float = 0.0):
+    """plan.broadcast (the C++ core), with a failure turned into a CollectiveError that says what it means.
+
+    Returns (host seconds, device ring bytes, pinned host ring bytes)."""
     timeout = as_timedelta(timeout)
     t0 = time.monotonic()
     try:
-        return plan.broadcast(pg, src, timeout.total_seconds() if timeout is not None else 0.0)
+        return plan.broadcast(pg, src, timeout.total_seconds() if timeout is not None else 0.0, progress,
+                              progress_seconds)
     except RuntimeError as e:
         limit = f"{timeout.total_seconds():g} s" if timeout is not None else "the group's timeout"
         raise CollectiveError(

@@ -19,18 +19,19 @@ from .verify import verify_plan
 
 logger = logging.getLogger(__name__)
 
+# The defaults live in the C++ core (csrc/plan.h), which the perf binary shares.
 #: Bytes per ring slot. Large enough that a bucket's broadcast runs near link speed on NVLink,
 #: small enough that the whole ring (x ring depth) stays far below a layer's size.
-DEFAULT_BUCKET_BYTES = 32 << 20
+DEFAULT_BUCKET_BYTES: int = _C.defaults["bucket_bytes"]
 #: Ring slots: one being packed or unpacked while another is on the wire, plus one of slack.
-DEFAULT_RING_DEPTH = 3
+DEFAULT_RING_DEPTH: int = _C.defaults["ring_depth"]
 #: Contiguous tensors of at least this many bytes are broadcast where they are: no copy, no bucket.
-DEFAULT_INPLACE_MIN_BYTES = 4 << 20
+DEFAULT_INPLACE_MIN_BYTES: int = _C.defaults["inplace_min_bytes"]
 #: In-place broadcasts are issued in NCCL groups (start/endCoalescing) of about this many bytes.
-DEFAULT_COALESCE_BYTES = 1 << 30
+DEFAULT_COALESCE_BYTES: int = _C.defaults["coalesce_bytes"]
 #: A call with at most this many smaller tensors sends them in place too, in the same NCCL group: an
 #: FSDP unit's two norms cost less that way than a ring (allocation, copy table, events, two kernels).
-DEFAULT_SMALL_INPLACE_MAX = 8
+DEFAULT_SMALL_INPLACE_MAX: int = _C.defaults["small_inplace_max"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,148 @@ def gc_paused(fn):
     return paused
 
 
+_OPTION_DEFAULTS = dict(bucket_bytes=DEFAULT_BUCKET_BYTES, ring_depth=DEFAULT_RING_DEPTH,
+                        inplace_min_bytes=DEFAULT_INPLACE_MIN_BYTES, coalesce_bytes=DEFAULT_COALESCE_BYTES,
+                        small_inplace_max=DEFAULT_SMALL_INPLACE_MAX)
+
+
+class SyncPlan:
+    """A plan for broadcasting the same tensors from the same source again and again.
+
+    Made by :func:`plan_sync`. Planning (dedup, checks, routes, the copy table) happens once, in C++;
+    each :meth:`run` checks that every tensor still holds the bytes, shape and dtype it was planned
+    with (a re-allocated ``.data``, a ``resize_``/``set_``, or for a module a parameter or buffer
+    replaced by another object), agrees with the other ranks on the plan's digest (a few small
+    store messages), and broadcasts. Values may change between runs: sending them is the point.
+    A changed tensor raises the same AgreementError on every rank, naming it, before any byte
+    moves; ``run(replan=True)`` instead plans again where something changed and then agrees.
+    Tensors added to a module after the plan was made are not part of it: make a new plan.
+    """
+
+    def __init__(self, tensors: Optional[list], src: int, group: Optional[dist.ProcessGroup], names, options: dict,
+                 module_slots: Optional[Callable[[], list]] = None):
+        self._t0 = time.perf_counter()
+        self.src, self._options = src, options
+        self._pg = _resolve_group(group)
+        self._rank = dist.get_rank()
+        self._names = _Names(names) if callable(names) else list(names) if names is not None else []
+        self._module_slots = module_slots
+        self._slots: Optional[list] = None
+        if module_slots is not None:
+            self._slots = module_slots()
+            tensors = [t for _, _, t in self._slots]
+        self._tensors = tensors
+        self._plan, self._error, self._src_group = None, None, None
+        self._rerouted = 0
+        self._build()
+
+    def _build(self) -> None:
+        """The local plan, or the error that the agreement reports on every rank."""
+        self._plan, self._error = None, None
+        try:
+            self._src_group = _group_src(self._pg, self.src)  # a bad src on any rank: all raise, at the agreement
+            o = self._options
+            # The core writes raw storage with autograd off: parameters go in as they are (no detach(),
+            # which would cost a Python object per tensor: at 16k tensors, more than the broadcast).
+            def make(names_now: list):
+                return _C.Plan(self._tensors, names_now, o["bucket_bytes"], o["ring_depth"], o["inplace_min_bytes"],
+                               o["coalesce_bytes"], self._rank, o["small_inplace_max"])
+            try:
+                try:
+                    self._plan = make([] if isinstance(self._names, _Names) else self._names)
+                except ValueError:
+                    if not isinstance(self._names, _Names):
+                        raise
+                    self._plan = make(list(self._names))  # raises again, naming the tensor
+            except TypeError:
+                _check_types(self._tensors, self._names, self._rank)
+                raise
+        except (TypeError, ValueError) as e:
+            self._error = e
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return self._tensors
+
+    def _changed(self) -> Optional[str]:
+        """What changed since the plan was made, in words; None if nothing."""
+        if self._slots is not None:
+            for i, (owner, key, t) in enumerate(self._slots):
+                if owner.get(key) is not t:
+                    label = f"tensor {i} ('{self._names[i]}')" if i < len(self._names) else f"tensor {i}"
+                    return (f"{label} on rank {self._rank} was replaced by another object since the plan was made "
+                            f"(a parameter or buffer assigned anew)")
+        if self._plan is not None:
+            return self._plan.check_unchanged() or None
+        return None
+
+    @gc_paused
+    def run(self, *, timeout: Optional[Union[float, timedelta]] = None, verify: bool = False,
+            replan: bool = False) -> SyncStats:
+        """Broadcast the plan's tensors from the source again: every rank must call it.
+
+        timeout, verify: as in :func:`broadcast_tensors`. replan: where a tensor changed since the plan
+        was made, plan again (every rank then agrees on the new plan) instead of raising.
+        """
+        self._t0 = time.perf_counter()
+        error = self._error
+        changed = self._changed() if error is None else None
+        if changed is not None and not replan:
+            error = ValueError(f"{changed}; make a new plan or run(replan=True)")
+        elif changed is not None:
+            if self._module_slots is not None:
+                self._slots = self._module_slots()
+                self._tensors = [t for _, _, t in self._slots]
+            self._build()
+            error = self._error
+        return self._send(timeout, verify, error)
+
+    def _send(self, timeout, verify: bool, error: Optional[BaseException]) -> SyncStats:
+        """Agree (digest, routes, refusals: `error` is this rank's), then broadcast through the C++ pipeline."""
+        pg, plan = self._pg, self._plan
+        t_planned = time.perf_counter()
+        if timeout is not None and isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
+        tensors = self._tensors
+        with group_timeout(pg, timeout):
+            timing: dict = {}
+            device = tensors[0].device if tensors and error is None else None
+            allowed = check_agreement(plan, error, pg, self._src_group, self._names, timeout=timeout,
+                                      device=device, timing=timing)
+            if allowed is not None:
+                inplace = plan.num_inplace
+                plan.restrict_routes(allowed)
+                self._rerouted += inplace - plan.num_inplace
+                logger.debug("coalesced_bcast: %d tensors go through buckets on every rank, as some rank cannot "
+                             "send them in place", inplace - plan.num_inplace)
+            t_agreed, t_sent = time.perf_counter(), time.monotonic()
+            enqueue_seconds, ring_bytes, _ = payload_broadcast(plan, pg, self._src_group, timeout)
+            if timeout is not None and tensors and tensors[0].device.type == "cuda":
+                # The transfer is queued, not done: wait for it, so that a source that stalls after the
+                # agreement is an error here within `timeout` rather than a stuck stream.
+                done = torch.cuda.Event()
+                done.record()
+                wait_event(done, "the payload broadcast", pg, as_timedelta(timeout), t_sent)
+            if verify:
+                verify_plan(plan, tensors, self._names, pg, self._src_group, timeout)
+        stats = SyncStats(
+            tensors=plan.num_inputs, unique_tensors=plan.num_unique, bytes=plan.total_bytes,
+            inplace_tensors=plan.num_inplace, packed_bytes=plan.packed_bytes, buckets=plan.num_buckets,
+            ring_bytes=ring_bytes, seconds=time.perf_counter() - self._t0, plan_seconds=t_planned - self._t0,
+            agree_seconds=t_agreed - t_planned, enqueue_seconds=enqueue_seconds, rerouted=self._rerouted,
+            inplace_ops=plan.inplace_ops, agree_wait_seconds=timing.get("wait_seconds", 0.0))
+        if self._rank == self.src:
+            logger.info("coalesced_bcast: sent %d tensors (%d unique, %.3f GiB, %d in place, %d buckets) in %.3f s",
+                        stats.tensors, stats.unique_tensors, stats.bytes / 2**30, stats.inplace_tensors,
+                        stats.buckets, stats.seconds)
+        return stats
+
+
+def _options(bucket_bytes, ring_depth, inplace_min_bytes, coalesce_bytes, small_inplace_max) -> dict:
+    return dict(bucket_bytes=bucket_bytes, ring_depth=ring_depth, inplace_min_bytes=inplace_min_bytes,
+                coalesce_bytes=coalesce_bytes, small_inplace_max=small_inplace_max)
+
+
 @gc_paused
 def broadcast_tensors(
     tensors: Iterable[torch.Tensor],
@@ -161,67 +304,12 @@ def broadcast_tensors(
     Every rank must call this with tensors of the same structure (checked before any byte moves).
     On CUDA the work is queued on side streams and the caller's current stream is made to wait for
     it (a call with nothing to pack broadcasts on the caller's stream itself): the tensors can be used
-    at once, in stream order, without a synchronize.
+    at once, in stream order, without a synchronize. To send the same tensors again, keep a plan:
+    :func:`plan_sync`.
     """
-    t0 = time.perf_counter()
-    pg = _resolve_group(group)
-    rank = dist.get_rank()
-    tensors = list(tensors)
-    names = _Names(names) if callable(names) else list(names) if names is not None else []
-    plan, error, src_group, rerouted = None, None, None, 0
-    try:
-        src_group = _group_src(pg, src)  # a bad src on any rank: every rank raises, at the agreement
-        # The core writes raw storage with autograd off: parameters go in as they are (no detach(),
-        # which would cost a Python object per tensor: at 16k tensors, more than the broadcast).
-        def make_plan(names_now: list):
-            return _C.Plan(tensors, names_now, bucket_bytes, ring_depth, inplace_min_bytes, coalesce_bytes, rank,
-                           small_inplace_max)
-        try:
-            try:
-                plan = make_plan([] if isinstance(names, _Names) else names)
-            except ValueError:
-                if not isinstance(names, _Names):
-                    raise
-                plan = make_plan(list(names))  # raises again, naming the tensor
-        except TypeError:
-            _check_types(tensors, names, rank)
-            raise
-    except (TypeError, ValueError) as e:
-        error = e
-    t_planned = time.perf_counter()
-    if timeout is not None and isinstance(timeout, timedelta):
-        timeout = timeout.total_seconds()
-    with group_timeout(pg, timeout):
-        timing: dict = {}
-        allowed = check_agreement(plan, error, pg, src_group, names, timeout=timeout,
-                                  device=tensors[0].device if tensors and error is None else None, timing=timing)
-        if allowed is not None:
-            inplace = plan.num_inplace
-            plan.restrict_routes(allowed)
-            rerouted = inplace - plan.num_inplace
-            logger.debug("coalesced_bcast: %d tensors go through buckets on every rank, as some rank cannot send "
-                         "them in place", rerouted)
-        t_agreed, t_sent = time.perf_counter(), time.monotonic()
-        enqueue_seconds, ring_bytes = payload_broadcast(plan, pg, src_group, timeout)
-        if timeout is not None and tensors and tensors[0].device.type == "cuda":
-            # The transfer is queued, not done: wait for it, so that a source that stalls after the
-            # agreement is an error here within `timeout` rather than a stuck stream.
-            done = torch.cuda.Event()
-            done.record()
-            wait_event(done, "the payload broadcast", pg, as_timedelta(timeout), t_sent)
-        if verify:
-            verify_plan(plan, tensors, names, pg, src_group, timeout)
-    stats = SyncStats(
-        tensors=plan.num_inputs, unique_tensors=plan.num_unique, bytes=plan.total_bytes,
-        inplace_tensors=plan.num_inplace, packed_bytes=plan.packed_bytes, buckets=plan.num_buckets,
-        ring_bytes=ring_bytes, seconds=time.perf_counter() - t0, plan_seconds=t_planned - t0,
-        agree_seconds=t_agreed - t_planned, enqueue_seconds=enqueue_seconds, rerouted=rerouted,
-        inplace_ops=plan.inplace_ops, agree_wait_seconds=timing.get("wait_seconds", 0.0))
-    if rank == src:
-        logger.info("coalesced_bcast: sent %d tensors (%d unique, %.3f GiB, %d in place, %d buckets) in %.3f s",
-                    stats.tensors, stats.unique_tensors, stats.bytes / 2**30, stats.inplace_tensors, stats.buckets,
-                    stats.seconds)
-    return stats
+    options = _options(bucket_bytes, ring_depth, inplace_min_bytes, coalesce_bytes, small_inplace_max)
+    plan = SyncPlan(list(tensors), src, group, names, options)
+    return plan._send(timeout, verify, plan._error)
 
 
 def module_states(module: nn.Module, include_buffers: bool = True) -> tuple[list[str], list[torch.Tensor]]:
@@ -230,6 +318,18 @@ def module_states(module: nn.Module, include_buffers: bool = True) -> tuple[list
     if include_buffers:
         named += [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
     return [n for n, _ in named], [t for _, t in named]
+
+
+def _module_slots(module: nn.Module, include_buffers: bool) -> list[tuple[dict, str, torch.Tensor]]:
+    """(the dict that holds it, its key, the tensor) for every parameter and buffer, tied names kept, in
+    module_states' order: a kept plan checks each dict still holds the same object."""
+    slots: list = []
+    for _, m in module.named_modules(remove_duplicate=False):
+        slots += [(m._parameters, k, p) for k, p in m._parameters.items() if p is not None]
+    if include_buffers:
+        for _, m in module.named_modules(remove_duplicate=False):
+            slots += [(m._buffers, k, b) for k, b in m._buffers.items() if b is not None]
+    return slots
 
 
 def sync_module(
@@ -245,4 +345,38 @@ def sync_module(
     Takes the options of :func:`broadcast_tensors`; errors name tensors by their module path.
     """
     names, tensors = module_states(module, include_buffers)
-    return broadcast_tensors(tensors, src, group, names=names, **options)
+    return broadcast_tensors(tensors, src, group, names=lambda: names, **options)
+
+
+@gc_paused
+def plan_sync(
+    what: Union[nn.Module, Iterable[torch.Tensor]],
+    src: int = 0,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    include_buffers: bool = True,
+    names: Union[Sequence[str], Callable[[], Sequence[str]], None] = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ring_depth: int = DEFAULT_RING_DEPTH,
+    inplace_min_bytes: int = DEFAULT_INPLACE_MIN_BYTES,
+    coalesce_bytes: int = DEFAULT_COALESCE_BYTES,
+    small_inplace_max: int = DEFAULT_SMALL_INPLACE_MAX,
+) -> SyncPlan:
+    """Plan a sync of a module (its parameters and, unless ``include_buffers=False``, buffers) or of a
+    list of tensors once, for :meth:`SyncPlan.run` to send again and again (weight refits, EMA copies,
+    evaluation replicas). Options as in :func:`broadcast_tensors`; nothing is sent or agreed here, so
+    every rank can plan at its own pace; each run agrees first, and bad input raises there, on every
+    rank.
+
+        plan = coalesced_bcast.plan_sync(model, src=0)
+        for step in ...:
+            optimizer.step()          # on the source
+            plan.run()                # every rank: one small agreement, then the transfer
+    """
+    options = _options(bucket_bytes, ring_depth, inplace_min_bytes, coalesce_bytes, small_inplace_max)
+    if isinstance(what, nn.Module):
+        module = what
+        if names is None:
+            names = lambda: module_states(module, include_buffers)[0]  # noqa: E731
+        return SyncPlan(None, src, group, names, options, lambda: _module_slots(module, include_buffers))
+    return SyncPlan(list(what), src, group, names, options)

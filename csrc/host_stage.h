@@ -1,0 +1,42 @@
+// host stage: a load's source copies its host-memory runs (pageable or
+// memory-mapped checkpoint tensors) into a pinned bucket with a few threads,
+// so that the host-to-device copy of one bucket overlaps the staging of the next.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "copy_table.h"
+
+namespace coalesced_bcast {
+
+class HostStager {
+ public:
+  explicit HostStager(int64_t threads);
+  ~HostStager();
+  HostStager(const HostStager&) = delete;
+  HostStager& operator=(const HostStager&) = delete;
+
+  // Packs `ops[0, count)` into `bucket` (host memory) at their bucket offsets,
+  // spread over the threads by bytes; returns when every byte is there.
+  void stage(const CopyOp* ops, int64_t count, const std::vector<Layout>& layouts, uint8_t* bucket);
+
+ private:
+  void work();
+  void run(int64_t tasks, const std::function<void(int64_t)>& fn);
+
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable wake_, done_;
+  const std::function<void(int64_t)>* fn_ = nullptr;
+  int64_t tasks_ = 0, next_ = 0, pending_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+  std::vector<CopyOp> parts_;  // the runs of one stage() cut into about equal shares
+};
+
+}  // namespace coalesced_bcast

@@ -1,0 +1,276 @@
+// load plan: a checkpoint that one rank holds in full, streamed into the parts
+// of it that each rank holds. The same byte stream and buckets on every rank
+// (from the units' dtypes and shapes alone); the source adds the runs that
+// pack each bucket, every rank the runs that scatter each bucket into its own
+// shards, cast where the model's dtype differs from the checkpoint's.
+#include <ATen/MemoryOverlap.h>
+
+#include <algorithm>
+#include <numeric>
+#include <sstream>
+
+#include "cast.h"
+#include "plan.h"
+
+namespace coalesced_bcast {
+namespace {
+
+struct Unit {
+  c10::ScalarType dtype;
+  int64_t ndim;
+  int64_t sizes[kMaxDims];
+  int64_t numel;
+  int64_t elem_size;
+  int64_t offset;  // in the byte stream
+  int64_t nbytes;
+};
+
+std::string sizes_str(const Unit& u) {
+  std::ostringstream s;
+  s << "[";
+  for (int64_t d = 0; d < u.ndim; ++d) s << (d ? ", " : "") << u.sizes[d];
+  s << "]";
+  return s.str();
+}
+
+std::vector<Unit> read_units(const at::Tensor& units) {
+  TORCH_CHECK_VALUE(
+      units.scalar_type() == at::kLong && units.is_cpu() && units.dim() == 2 && units.size(1) == 2 + kMaxDims,
+      "units must be a cpu int64 tensor of shape [n, ", 2 + kMaxDims, "], got ", units.toString());
+  const auto u = units.contiguous();
+  const auto* p = u.data_ptr<int64_t>();
+  std::vector<Unit> out(u.size(0));
+  int64_t offset = 0;
+  for (auto& x : out) {
+    x.dtype = static_cast<c10::ScalarType>(p[0]);
+    x.ndim = p[1];
+    TORCH_CHECK_VALUE(x.ndim >= 0 && x.ndim <= kMaxDims, "a checkpoint tensor has ", x.ndim, " dims; at most ",
+                      kMaxDims, " are supported");
+    x.numel = 1;
+    for (int64_t d = 0; d < kMaxDims; ++d) {
+      x.sizes[d] = d < x.ndim ? p[2 + d] : 1;
+      x.numel *= x.sizes[d];
+    }
+    x.elem_size = static_cast<int64_t>(c10::elementSize(x.dtype));
+    x.nbytes = x.numel * x.elem_size;
+    // Every tensor starts on a 16-byte boundary: packed runs are whole words.
+    x.offset = x.nbytes > 0 ? align_up(offset, kAlign) : offset;
+    offset = x.offset + x.nbytes;
+    p += 2 + kMaxDims;
+  }
+  return out;
+}
+
+// The runs that pack unit `u` of the source (its tensor `t`), cut at bucket boundaries.
+void add_pack_runs(Plan& plan, const Unit& u, const at::Tensor& t, int64_t index, std::vector<int32_t>& run_bucket,
+                   std::vector<bool>& run_host) {
+  const auto what = "checkpoint tensor " + std::to_string(index) + " on source rank " +
+      std::to_string(plan.options.rank);
+  TORCH_CHECK_VALUE(t.defined() && t.layout() == at::kStrided && t.has_storage(), what,
+                    " is not a dense tensor with storage");
+  TORCH_CHECK_VALUE(t.scalar_type() == u.dtype && t.numel() == u.numel, what, " is ", t.scalar_type(), " of ",
+                    t.numel(), " elements, but its entry says ", u.dtype, " ", sizes_str(u));
+  const bool host = !t.device().is_cuda() && plan.device.is_cuda();
+  TORCH_CHECK_VALUE(t.device() == plan.device || t.device().is_cpu(), what, " is on ", t.device(),
+                    "; the model is on ", plan.device, ": use CPU tensors or the model's device");
+  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, what, " overlaps itself (an expanded view?)");
+  int32_t layout = -1;
+  if (!t.is_contiguous()) {
+    plan.layouts.push_back(collapse_layout(t, [&] { return what; }));
+    layout = static_cast<int32_t>(plan.layouts.size() - 1);
+  }
+  const auto ptr = reinterpret_cast<uint64_t>(t.data_ptr());
+  const int64_t B = plan.options.bucket_bytes;
+  for (int64_t off = 0; off < u.nbytes;) {
+    const int64_t pos = u.offset + off;
+    const int64_t k = pos / B;
+    const int64_t len = std::min(u.nbytes - off, (k + 1) * B - pos);
+    (host ? plan.host_ops : plan.ops).push_back(CopyOp{ptr, off, pos - k * B, len, layout,
+                                                       static_cast<int32_t>(u.elem_size)});
+    run_bucket.push_back(static_cast<int32_t>(k));
+    run_host.push_back(host);
+    off += len;
+  }
+}
+
+int64_t ravel(const int64_t* idx, const Unit& u) {
+  int64_t flat = 0;
+  for (int64_t d = 0; d < u.ndim; ++d) flat = flat * u.sizes[d] + idx[d];
+  return flat;
+}
+
+}  // namespace
+
+Plan make_load_plan(
+    const at::Tensor& units_table,
+    std::vector<at::Tensor> sources,
+    std::vector<at::Tensor> dests,
+    const at::Tensor& dest_meta,
+    const LoadOptions& options) {
+  TORCH_CHECK_VALUE(
+      options.bucket_bytes >= 4096 && options.bucket_bytes % kAlign == 0,
+      "bucket_bytes must be a multiple of ", kAlign, " and at least 4096, got ", options.bucket_bytes);
+  TORCH_CHECK_VALUE(options.ring_depth >= 1, "ring_depth must be at least 1, got ", options.ring_depth);
+  Plan plan;
+  plan.is_load = true;
+  plan.device = options.device;
+  plan.options.bucket_bytes = options.bucket_bytes;
+  plan.options.ring_depth = options.ring_depth;
+  plan.options.rank = options.rank;
+  plan.options.copy_threads = std::max<int64_t>(1, options.copy_threads);
+  const auto units = read_units(units_table);
+  const int64_t B = options.bucket_bytes;
+  const int64_t total = units.empty() ? 0 : units.back().offset + units.back().nbytes;
+  const int64_t num_buckets = (total + B - 1) / B;
+  plan.total_bytes = plan.packed_bytes = total;
+
+  // Pack runs (the source), in stream order: sorted by bucket, then offset.
+  TORCH_CHECK_VALUE(sources.empty() || sources.size() == units.size(), "got ", sources.size(),
+                    " source tensors for ", units.size(), " checkpoint tensors");
+  std::vector<int32_t> run_bucket;
+  std::vector<bool> run_host;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    if (units[i].nbytes > 0) add_pack_runs(plan, units[i], sources[i], static_cast<int64_t>(i), run_bucket, run_host);
+  }
+
+  // Scatter runs (every rank): per destination, the elements of its box that
+  // each bucket holds. A destination that is whole rows of a contiguous tensor
+  // takes one contiguous run per bucket; any other box, one boxed run per
+  // bucket over the span from its first to its last element.
+  TORCH_CHECK_VALUE(
+      dest_meta.scalar_type() == at::kLong && dest_meta.is_cpu() && dest_meta.dim() == 2 &&
+          dest_meta.size(0) == static_cast<int64_t>(dests.size()) && dest_meta.size(1) == 1 + kMaxDims,
+      "dest_meta must be a cpu int64 tensor of shape [", dests.size(), ", ", 1 + kMaxDims, "], got ",
+      dest_meta.toString());
+  const auto meta = dest_meta.contiguous();
+  struct Piece {
+    int64_t bucket;
+    ScatterOp op;
+  };
+  std::vector<Piece> pieces;
+  pieces.reserve(dests.size() + static_cast<size_t>(num_buckets));
+  for (size_t i = 0; i < dests.size(); ++i) {
+    const auto& t = dests[i];
+    const int64_t* m = meta.data_ptr<int64_t>() + i * (1 + kMaxDims);
+    TORCH_CHECK_VALUE(m[0] >= 0 && m[0] < static_cast<int64_t>(units.size()), "destination ", i, " takes unit ",
+                      m[0], " of ", units.size());
+    const auto& u = units[m[0]];
+    const auto what = "destination " + std::to_string(i) + " on rank " + std::to_string(options.rank);
+    TORCH_CHECK_VALUE(t.defined() && t.layout() == at::kStrided && t.has_storage() && t.device() == plan.device,
+                      what, " is not a dense tensor on ", plan.device);
+    TORCH_CHECK_VALUE(t.scalar_type() == u.dtype || (castable(t.scalar_type()) && castable(u.dtype)), what,
+                      " is ", t.scalar_type(), " but the checkpoint holds ", u.dtype,
+                      ": only floating dtypes (float16, bfloat16, float32, float64) are cast");
+    TORCH_CHECK_VALUE(t.dim() == u.ndim, what, " has ", t.dim(), " dims, the checkpoint's tensor ", u.ndim);
+    TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, what, " overlaps itself");
+    if (t.numel() == 0 || u.nbytes == 0) continue;
+    Box box{};
+    box.ndim = static_cast<int32_t>(u.ndim);
+    bool whole_rows = true;
+    for (int64_t d = 0; d < u.ndim; ++d) {
+      box.sizes[d] = u.sizes[d];
+      box.lo[d] = m[1 + d];
+      box.hi[d] = m[1 + d] + t.size(d);
+      box.strides[d] = t.stride(d);
+      TORCH_CHECK_VALUE(box.lo[d] >= 0 && box.hi[d] <= u.sizes[d], what, " holds [", box.lo[d], ", ", box.hi[d],
+                        ") of dim ", d, ", which has ", u.sizes[d]);
+      whole_rows &= d == 0 || (box.lo[d] == 0 && box.hi[d] == u.sizes[d]);
+    }
+    const bool flat = whole_rows && t.is_contiguous();
+    int64_t lo_idx[kMaxDims], last_idx[kMaxDims];
+    for (int64_t d = 0; d < u.ndim; ++d) {
+      lo_idx[d] = box.lo[d];
+      last_idx[d] = box.hi[d] - 1;
+    }
+    const int64_t e0 = ravel(lo_idx, u), e1 = ravel(last_idx, u) + 1;
+    int32_t box_index = -1;
+    if (!flat) {
+      plan.boxes.push_back(box);
+      box_index = static_cast<int32_t>(plan.boxes.size() - 1);
+    }
+    const auto ptr = reinterpret_cast<uint64_t>(t.data_ptr());
+    for (int64_t e = e0; e < e1;) {
+      const int64_t pos = u.offset + e * u.elem_size;
+      const int64_t k = pos / B;
+      const int64_t end = std::min(e1, ((k + 1) * B - u.offset) / u.elem_size);
+      ScatterOp op{};
+      op.dst_ptr = ptr;
+      op.first = flat ? e - e0 : e;
+      op.bucket_offset = pos - k * B;
+      op.count = end - e;
+      op.box = box_index;
+      op.src_type = static_cast<int8_t>(u.dtype);
+      op.dst_type = static_cast<int8_t>(t.scalar_type());
+      op.src_size = static_cast<int8_t>(u.elem_size);
+      op.dst_size = static_cast<int8_t>(t.element_size());
+      pieces.push_back(Piece{k, op});
+      e = end;
+    }
+  }
+  std::stable_sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.bucket < b.bucket; });
+
+  plan.buckets.resize(num_buckets);
+  for (int64_t k = 0; k < num_buckets; ++k) plan.buckets[k].nbytes = std::min(B, total - k * B);
+  auto fill = [&](const std::vector<int32_t>& owner, bool host, int64_t Bucket::*first, int64_t Bucket::*count) {
+    int64_t index = 0;
+    for (size_t r = 0; r < owner.size(); ++r) {
+      if (run_host[r] != host) continue;
+      auto& b = plan.buckets[owner[r]];
+      if (b.*count == 0) b.*first = index;
+      ++(b.*count);
+      ++index;
+    }
+  };
+  fill(run_bucket, false, &Bucket::first_op, &Bucket::num_ops);
+  fill(run_bucket, true, &Bucket::first_host, &Bucket::num_host);
+  plan.scatter.reserve(pieces.size());
+  for (const auto& p : pieces) {
+    auto& b = plan.buckets[p.bucket];
+    if (b.num_scatter == 0) b.first_scatter = static_cast<int64_t>(plan.scatter.size());
+    ++b.num_scatter;
+    auto op = p.op;
+    op.first_chunk = b.scatter_chunks;
+    b.scatter_chunks += (op.count * op.src_size + kScatterChunk - 1) / kScatterChunk;
+    plan.scatter.push_back(op);
+  }
+  plan.inputs = std::move(sources);
+  plan.dests = std::move(dests);
+  plan.ring_slots = std::min(options.ring_depth, num_buckets);
+  plan.slot_bytes = num_buckets == 0 ? 0 : (num_buckets == 1 ? align_up(total, kAlign) : B);
+  validate_load_table(plan);
+  return plan;
+}
+
+void validate_load_table(const Plan& plan) {
+  TORCH_CHECK(plan.slot_bytes % kAlign == 0, "ring slot bytes not aligned, got ", plan.slot_bytes);
+  auto check_runs = [&](const std::vector<CopyOp>& ops, int64_t first, int64_t count, const Bucket& b, size_t k) {
+    TORCH_CHECK(first >= 0 && count >= 0 && first + count <= static_cast<int64_t>(ops.size()), "bucket ", k,
+                " pack run range out of bounds");
+    int64_t prev_end = 0;
+    for (int64_t i = first; i < first + count; ++i) {
+      const auto& op = ops[i];
+      TORCH_CHECK(op.bucket_offset % kAlign == 0 && op.bucket_offset >= prev_end && op.nbytes > 0 &&
+                      op.bucket_offset + op.nbytes <= b.nbytes,
+                  "pack run ", i, " of bucket ", k, " misplaced: ", op.bucket_offset, "+", op.nbytes, " of ", b.nbytes);
+      prev_end = op.bucket_offset + op.nbytes;
+    }
+  };
+  for (size_t k = 0; k < plan.buckets.size(); ++k) {
+    const auto& b = plan.buckets[k];
+    TORCH_CHECK(b.nbytes > 0 && b.nbytes <= plan.slot_bytes, "bucket ", k, " has ", b.nbytes, " bytes, slot ",
+                plan.slot_bytes);
+    check_runs(plan.ops, b.first_op, b.num_ops, b, k);
+    check_runs(plan.host_ops, b.first_host, b.num_host, b, k);
+    TORCH_CHECK(b.first_scatter >= 0 && b.first_scatter + b.num_scatter <= static_cast<int64_t>(plan.scatter.size()),
+                "bucket ", k, " scatter range out of bounds");
+    for (int64_t i = b.first_scatter; i < b.first_scatter + b.num_scatter; ++i) {
+      const auto& op = plan.scatter[i];
+      TORCH_CHECK(op.count > 0 && op.bucket_offset >= 0 && op.bucket_offset + op.count * op.src_size <= b.nbytes &&
+                      op.box >= -1 && op.box < static_cast<int32_t>(plan.boxes.size()),
+                  "scatter run ", i, " of bucket ", k, " misplaced: ", op.bucket_offset, "+", op.count, "x",
+                  static_cast<int>(op.src_size), " of ", b.nbytes);
+    }
+  }
+}
+
+}  // namespace coalesced_bcast

@@ -1,0 +1,80 @@
+// A load's unpack on the GPU: one launch per bucket writes every scatter run
+// of it into this rank's shards. Runs may start at any element and several may
+// read the same bytes, so blocks are dealt out over runs (kScatterChunk bucket
+// bytes each, found by binary search on first_chunk), not over the bucket.
+// Same-dtype runs into contiguous memory move 16-byte words; casts and boxed
+// (non-contiguous or partial-row) destinations go element by element.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <climits>
+
+#include "cast.h"
+#include "pack_cuda.h"
+#include "words.cuh"
+
+namespace coalesced_bcast {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void __launch_bounds__(kThreads) scatter_kernel(
+    const uint8_t* __restrict__ bucket,
+    const ScatterOp* __restrict__ ops,
+    int64_t num_ops,
+    const Box* __restrict__ boxes) {
+  __shared__ int64_t index;
+  const int64_t block = blockIdx.x;
+  if (threadIdx.x == 0) {
+    int64_t lo = 0, hi = num_ops;  // the last run whose chunks start at or before this block
+    while (hi - lo > 1) {
+      const int64_t mid = (lo + hi) / 2;
+      if (ops[mid].first_chunk <= block) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    index = lo;
+  }
+  __syncthreads();
+  const ScatterOp op = ops[index];
+  const int64_t ss = op.src_size, ds = op.dst_size;
+  const int64_t b0 = (block - op.first_chunk) * kScatterChunk;
+  const int64_t b1 = min(b0 + kScatterChunk, op.count * ss);
+  const uint8_t* src = bucket + op.bucket_offset;
+  auto* dst = reinterpret_cast<uint8_t*>(op.dst_ptr);
+  if (op.box < 0 && op.src_type == op.dst_type) {
+    uint8_t* out = dst + op.first * ds;
+    for (int64_t pos = b0 + threadIdx.x * kAlign; pos < b1; pos += kThreads * kAlign) {
+      copy_small(out + pos, src + pos, static_cast<int>(min(kAlign, b1 - pos)));
+    }
+    return;
+  }
+  for (int64_t e = b0 / ss + threadIdx.x; e < b1 / ss; e += kThreads) {
+    int64_t off = op.first + e;
+    if (op.box >= 0 && !box_offset(boxes[op.box], op.first + e, &off)) continue;
+    if (op.src_type == op.dst_type) {
+      copy_small(dst + off * ds, src + e * ss, static_cast<int>(ss));
+    } else {
+      cast_element(src + e * ss, op.src_type, dst + off * ds, op.dst_type);
+    }
+  }
+}
+
+}  // namespace
+
+void launch_scatter_bucket(
+    const uint8_t* bucket,
+    const ScatterOp* ops,
+    int64_t num_ops,
+    int64_t chunks,
+    const Box* boxes,
+    cudaStream_t stream) {
+  if (num_ops == 0) return;
+  TORCH_CHECK(chunks > 0 && chunks <= INT_MAX, "a bucket of ", num_ops, " scatter runs needs ", chunks, " blocks");
+  scatter_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream>>>(bucket, ops, num_ops, boxes);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace coalesced_bcast

@@ -1,0 +1,108 @@
+"""Kept plans (plan_sync / SyncPlan.run) over gloo: repeated runs send new values bitwise, a changed
+tensor raises the same AgreementError on every rank before any byte moves, replan recovers."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import coalesced_bcast
+from dist_utils import run_ranks
+from zoo import make_zoo, same_bits
+
+
+def _values(rank, src, step, t):
+    """What the source holds at `step` (others hold junk): a function of step, so every run sends new bytes."""
+    g = torch.Generator().manual_seed(100 * step + (0 if rank == src else 7 + rank))
+    return torch.randint(-2**15, 2**15, t.shape, generator=g, dtype=torch.int32).to(t.dtype) if t.dtype != torch.bool \
+        else torch.randint(0, 2, t.shape, generator=g).bool()
+
+
+def _fill(zoo, rank, src, step):
+    seen = set()
+    for _, t in zoo:
+        if id(t) not in seen and t.numel():
+            seen.add(id(t))
+            t.copy_(_values(rank, src, step, t))
+
+
+def _reuse_body(rank, world_size):
+    src = 1
+    zoo = make_zoo(3, torch.device("cpu"), 4096, value_seed=0)
+    expect = make_zoo(3, torch.device("cpu"), 4096, value_seed=0)
+    plan = coalesced_bcast.plan_sync([t for _, t in zoo], src=src, names=[n for n, _ in zoo], bucket_bytes=4096,
+                                     inplace_min_bytes=2048)
+    for step in range(4):
+        _fill(zoo, rank, src, step)
+        _fill(expect, src, src, step)
+        stats = plan.run(verify=step == 3)
+        wrong = [n for (n, t), (_, e) in zip(zoo, expect) if not same_bits(t, e)]
+        assert not wrong, f"rank {rank} step {step}: {wrong}"
+        assert stats.tensors == len(zoo)
+    # a re-allocated tensor (.data assigned) on one rank: every rank raises, naming it, before any byte moves
+    names = [n for n, _ in zoo]
+    victim = next(i for i, (n, t) in enumerate(zoo) if t.numel() > 4 and t.is_contiguous() and n != "tied.a")
+    before = [t.clone() for _, t in zoo]
+    if rank == 0:
+        zoo[victim][1].data = zoo[victim][1].data.clone()
+    _fill(zoo, rank, src, 9) if rank == src else None
+    if rank == src:
+        before = [t.clone() for _, t in zoo]
+    with pytest.raises(coalesced_bcast.AgreementError, match=f"rank 0 refused.*'{names[victim]}'.*re-allocated"):
+        plan.run()
+    assert all(same_bits(t, b) for (_, t), b in zip(zoo, before)), "a refused run wrote something"
+    # replan: the changed rank plans again, every rank agrees, the new storage receives the source's bytes
+    plan.run(replan=True)
+    _fill(expect, src, src, 9)
+    wrong = [n for (n, t), (_, e) in zip(zoo, expect) if not same_bits(t, e)]
+    assert not wrong, f"rank {rank} after replan: {wrong}"
+    # a shape change on the source (resize_ of a buffer): refused on every rank as well
+    if rank == src:
+        zoo[victim][1].resize_(1)
+    with pytest.raises(coalesced_bcast.AgreementError, match=f"rank {src} refused.*changed shape"):
+        plan.run()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_kept_plan_runs_again_and_refuses_changed_tensors(world_size):
+    run_ranks(world_size, _reuse_body)
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+
+def _module_body(rank, world_size):
+    torch.manual_seed(rank)
+    net = _Net()
+    plan = coalesced_bcast.plan_sync(net, src=0)
+    for step in range(3):
+        if rank == 0:
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.add_(1.0)
+            net.steps += 1
+        stats = plan.run()
+        got = torch.cat([t.detach().reshape(-1).double() for t in net.state_dict().values()])
+        out = [torch.empty_like(got) for _ in range(world_size)]
+        dist.all_gather(out, got)
+        assert all(torch.equal(o, out[0]) for o in out), f"step {step}: ranks differ"
+        assert int(net.steps) == step + 1 and net.b.weight is net.a.weight
+        assert stats.unique_tensors == stats.tensors - 1  # the tie, sent once
+    # a parameter replaced by a new object on rank 1: refused everywhere, naming it
+    if rank == 1:
+        net.a.bias = nn.Parameter(torch.zeros(8))
+    with pytest.raises(coalesced_bcast.AgreementError, match="rank 1 refused.*'a.bias'.*replaced"):
+        plan.run()
+    plan.run(replan=True)
+    out = [torch.empty(8) for _ in range(world_size)]
+    dist.all_gather(out, net.a.bias.detach())
+    assert all(torch.equal(o, out[0]) for o in out)
+
+
+def test_kept_module_plan_sees_replaced_parameters():
+    run_ranks(2, _module_body)
