@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one call on the device machine (nvidia-h200-x2):
-#   bash bench/device_run.sh [STEP...]     steps: env build gputest bench init agree fsdp2 soak gpuchecks timeout sanitize perf (default: all)
+#   bash bench/device_run.sh [STEP...]     steps: env build gputest bench init agree fsdp2 loadcheck soak gpuchecks timeout sanitize perf (default: all)
 # Builds the extension in place with the machine's own torch, then runs each step. Logs and results
 # go to $LOGS (default /tmp/device_run) and, after every step, into one archive $OUT/device_run.tgz
 # (the device tool returns at most 8 files, and a run cut short by its time limit still returns
@@ -51,7 +51,9 @@ for s in $steps; do
     bench) step bench 500 $RUN bench/bench.py --out "$LOGS/bench" ;;
     init) step init 300 $RUN bench/init_bench.py --out "$LOGS/init.jsonl" ;;
     agree) step agree 120 $RUN bench/agree_probe.py --out "$LOGS/agree_probe.jsonl" ;;
-    fsdp2) step fsdp2 540 $RUN bench/fsdp2_load.py --out "$LOGS/fsdp2.jsonl" ;;
+    fsdp2) step fsdp2 540 $RUN bench/fsdp2_load.py --extra-buckets 128 --out "$LOGS/fsdp2.jsonl" ;;
+    loadcheck) step loadcheck 400 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
+        $PY -m pytest -q -s tests/test_gpu_nccl.py -k "load_full_state_dict" ;;
     soak) step soak 200 $RUN bench/soak.py --out "$LOGS/soak.jsonl" ;;
     gpuchecks) step gpuchecks 200 $RUN bench/soak.py --mode gpu-checks --out "$LOGS/soak-gpu-checks.jsonl" ;;
     timeout) step timeout 300 $PY bench/soak.py --mode timeout --out "$LOGS/soak-timeout.jsonl" ;;

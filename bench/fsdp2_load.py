@@ -260,8 +260,8 @@ class Bench:
             if self.rank == 0 and not self.cpu and kind in ("llama8b", "moe") and source != "gpu":
                 self.h2d(sd)
             for name, options in methods:
-                if "copy_threads" in options and source != "pageable" or options and source == "gpu":
-                    continue  # threads only copy pageable memory; a GPU source just checks the path
+                if "copy_threads" in options and source != "pageable":
+                    continue  # threads only copy pageable memory
                 if name == "dcp":
                     # a copy: DCP replaces the values of the dict it is given with the loaded DTensors
                     fn = lambda: set_model_state_dict(model, dict(sd) if self.rank == 0 else {}, options=opts)  # noqa: E731

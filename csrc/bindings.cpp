@@ -92,6 +92,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("units"), py::arg("sources"), py::arg("dests"), py::arg("dest_meta"), py::arg("bucket_bytes"),
       py::arg("ring_depth"), py::arg("rank"), py::arg("copy_threads"), py::arg("device"),
       "A load's plan: checkpoint tensors (units: dtype, ndim, sizes) streamed into this rank's shards (dests)");
+  m.def("describe_tensors", &describe_tensors, py::arg("tensors"), py::arg("device"),
+        "A load source's tensors: (table int64 [n, 2 + 8] of dtype, ndim, sizes; canonical index of each; "
+        "[(index, why)] for those that cannot be sent)");
   py::class_<Plan>(m, "Plan")
       .def(py::init(&build_plan), py::arg("tensors"), py::arg("names"), py::arg("bucket_bytes"),
            py::arg("ring_depth"), py::arg("inplace_min_bytes"), py::arg("coalesce_bytes"), py::arg("rank"),
@@ -116,6 +119,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       })
       .def_property_readonly("ring_slots", [](const Plan& p) { return p.ring_slots; })
       .def_property_readonly("slot_bytes", [](const Plan& p) { return p.slot_bytes; })
+      .def_property_readonly("num_units_sent", [](const Plan& p) { return p.units_sent; })
       .def_property_readonly("num_scatter_runs", [](const Plan& p) { return p.scatter.size(); })
       .def_property_readonly("num_host_runs", [](const Plan& p) { return p.host_ops.size(); })
       .def("describe", &Plan::describe, py::arg("input"))

@@ -122,7 +122,8 @@ Plan make_load_plan(
   const int64_t B = options.bucket_bytes;
   const int64_t total = units.empty() ? 0 : units.back().offset + units.back().nbytes;
   const int64_t num_buckets = (total + B - 1) / B;
-  plan.total_bytes = plan.packed_bytes = total;
+  for (const auto& u : units) plan.total_bytes += u.nbytes;  // the checkpoint's bytes: `total` has padding too
+  plan.packed_bytes = plan.total_bytes;
 
   // Pack runs (the source), in stream order: sorted by bucket, then offset.
   TORCH_CHECK_VALUE(sources.empty() || sources.size() == units.size(), "got ", sources.size(),
@@ -130,8 +131,12 @@ Plan make_load_plan(
   std::vector<int32_t> run_bucket;
   std::vector<bool> run_host;
   for (size_t i = 0; i < sources.size(); ++i) {
-    if (units[i].nbytes > 0) add_pack_runs(plan, units[i], sources[i], static_cast<int64_t>(i), run_bucket, run_host);
+    auto& t = sources[i];
+    // A lazy conjugate or negative bit is not in the bytes: resolve it (a copy of that tensor alone).
+    if (t.defined() && (t.is_conj() || t.is_neg())) t = t.resolve_conj().resolve_neg();
+    if (units[i].nbytes > 0) add_pack_runs(plan, units[i], t, static_cast<int64_t>(i), run_bucket, run_host);
   }
+  for (const auto& u : units) plan.units_sent += u.nbytes > 0;
 
   // Scatter runs (every rank): per destination, the elements of its box that
   // each bucket holds. A destination that is whole rows of a contiguous tensor
@@ -163,6 +168,8 @@ Plan make_load_plan(
                       ": only floating dtypes (float16, bfloat16, float32, float64) are cast");
     TORCH_CHECK_VALUE(t.dim() == u.ndim, what, " has ", t.dim(), " dims, the checkpoint's tensor ", u.ndim);
     TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, what, " overlaps itself");
+    TORCH_CHECK_VALUE(!t.is_conj() && !t.is_neg(), what,
+                      " has a lazy conjugate or negative bit; resolve it (resolve_conj/resolve_neg) before loading");
     if (t.numel() == 0 || u.nbytes == 0) continue;
     Box box{};
     box.ndim = static_cast<int32_t>(u.ndim);
@@ -239,6 +246,69 @@ Plan make_load_plan(
   plan.slot_bytes = num_buckets == 0 ? 0 : (num_buckets == 1 ? align_up(total, kAlign) : B);
   validate_load_table(plan);
   return plan;
+}
+
+std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>> describe_tensors(
+    const std::vector<at::Tensor>& tensors,
+    c10::Device device) {
+  const auto n = static_cast<int64_t>(tensors.size());
+  auto table = at::zeros({n, 2 + kMaxDims}, at::kLong);
+  auto canon = at::empty({n}, at::kLong);
+  auto* row = table.data_ptr<int64_t>();
+  auto* c = canon.data_ptr<int64_t>();
+  std::vector<std::pair<int64_t, std::string>> problems;
+  // Tensors that are the same memory seen the same way (a tie: one object under two keys, or two
+  // equal views) are sent once: keyed by address, dtype, sizes and strides, found by one sort.
+  struct Key {
+    uintptr_t addr;
+    uint64_t shape;
+    int64_t index;
+    bool operator<(const Key& o) const {
+      return std::tie(addr, shape, index) < std::tie(o.addr, o.shape, o.index);
+    }
+  };
+  std::vector<Key> keys;
+  keys.reserve(n);
+  for (int64_t i = 0; i < n; ++i, row += 2 + kMaxDims) {
+    const auto& t = tensors[i];
+    c[i] = i;
+    std::string problem;
+    if (!t.defined() || t.layout() != at::kStrided || t.is_nested()) {
+      problem = "not a dense tensor; only dense tensors can be loaded";
+    } else if (t.is_meta()) {
+      problem = "a meta tensor (it has no data)";
+    } else if (!t.device().is_cpu() && t.device() != device) {
+      std::ostringstream s;
+      s << "on " << t.device() << ", but the model is on " << device << "; use CPU tensors or the model's device";
+      problem = s.str();
+    } else if (t.dim() > kMaxDims) {
+      problem = "a tensor of " + std::to_string(t.dim()) + " dims; at most " + std::to_string(kMaxDims) +
+          " are supported";
+    }
+    if (!problem.empty()) {
+      problems.emplace_back(i, std::move(problem));
+      continue;
+    }
+    row[0] = static_cast<int64_t>(t.scalar_type());
+    row[1] = t.dim();
+    uint64_t h = hash_mix(hash_mix(static_cast<uint64_t>(t.scalar_type()), t.is_conj() | (t.is_neg() << 1)),
+                     static_cast<uint64_t>(t.device().type()));
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      row[2 + d] = t.size(d);
+      h = hash_mix(hash_mix(h, t.size(d)), t.stride(d));
+    }
+    if (t.numel() > 0) keys.push_back(Key{reinterpret_cast<uintptr_t>(t.data_ptr()), h, i});
+  }
+  std::sort(keys.begin(), keys.end());
+  for (size_t k = 1; k < keys.size(); ++k) {
+    const auto& a = tensors[keys[k - 1].index];
+    const auto& b = tensors[keys[k].index];
+    if (keys[k].addr == keys[k - 1].addr && keys[k].shape == keys[k - 1].shape && a.sizes() == b.sizes() &&
+        a.strides() == b.strides() && a.scalar_type() == b.scalar_type()) {
+      c[keys[k].index] = c[keys[k - 1].index];
+    }
+  }
+  return {table, canon, problems};
 }
 
 void validate_load_table(const Plan& plan) {

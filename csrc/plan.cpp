@@ -90,21 +90,14 @@ void check_no_overlap(const Plan& plan) {
   }
 }
 
-// One step of the hashes ranks compare (structure, routes, a kept plan's
-// inputs): cheap, and every bit of `v` reaches every bit of the result.
-uint64_t mix(uint64_t h, uint64_t v) {
-  h = (h ^ v) * 0x9E3779B97F4A7C15ull;
-  return h ^ (h >> 29);
-}
-
 // dtype, sizes, strides and storage offset: what a kept plan's copy table
 // depends on besides the address.
 uint64_t shape_hash(const c10::TensorImpl& t) {
-  uint64_t h = mix(static_cast<uint64_t>(t.dtype().toScalarType()), static_cast<uint64_t>(t.dim()));
+  uint64_t h = hash_mix(static_cast<uint64_t>(t.dtype().toScalarType()), static_cast<uint64_t>(t.dim()));
   const auto sizes = t.sizes();
   const auto strides = t.strides();
-  for (size_t d = 0; d < sizes.size(); ++d) h = mix(mix(h, sizes[d]), strides[d]);
-  return mix(h, static_cast<uint64_t>(t.storage_offset()));
+  for (size_t d = 0; d < sizes.size(); ++d) h = hash_mix(hash_mix(h, sizes[d]), strides[d]);
+  return hash_mix(h, static_cast<uint64_t>(t.storage_offset()));
 }
 
 InputKey key_of(const at::Tensor& t, uintptr_t addr) {
@@ -219,8 +212,8 @@ void lay_out(Plan& plan) {
   group_inplace(plan);
   lay_out_buckets(plan);
   validate_copy_table(plan);
-  uint64_t h = mix(2, plan.unique.size());
-  for (const auto& u : plan.unique) h = mix(h, route_bits(u));
+  uint64_t h = hash_mix(2, plan.unique.size());
+  for (const auto& u : plan.unique) h = hash_mix(h, route_bits(u));
   plan.routes_hash = static_cast<int64_t>(h);
 }
 
@@ -315,8 +308,8 @@ Plan make_plan(
     const auto addr = nbytes > 0 ? reinterpret_cast<uintptr_t>(t.data_ptr()) : 0;
     seen[i] = Seen{nbytes, elem_size, contiguous};
     plan.keys[i] = key_of(t, addr);
-    uint64_t h = mix(mix(static_cast<uint64_t>(t.scalar_type()), sizes.size()), nbytes);
-    for (const auto s : sizes) h = mix(h, s);
+    uint64_t h = hash_mix(hash_mix(static_cast<uint64_t>(t.scalar_type()), sizes.size()), nbytes);
+    for (const auto s : sizes) h = hash_mix(h, s);
     record_hash[i] = h;
     if (nbytes > 0) {
       const auto e = extent(t, addr, nbytes, contiguous);
@@ -356,7 +349,7 @@ Plan make_plan(
   }
   plan.input_to_unique.resize(n);
   plan.unique.reserve(n);
-  uint64_t fp_hash = mix(1, n);
+  uint64_t fp_hash = hash_mix(1, n);
   for (int64_t i = 0; i < n; ++i) {
     if (alias[i] >= 0) {
       plan.input_to_unique[i] = plan.input_to_unique[alias[i]];
@@ -371,7 +364,7 @@ Plan make_plan(
     plan.input_to_unique[i] = static_cast<int64_t>(plan.unique.size());
     plan.unique.push_back(UniqueTensor{i, s.nbytes, addr, s.elem_size, s.contiguous, eligible, false, false, false});
     plan.total_bytes += s.nbytes;
-    fp_hash = mix(fp_hash, record_hash[i]);
+    fp_hash = hash_mix(fp_hash, record_hash[i]);
   }
   if (touching) check_no_overlap(plan);
   for (size_t u = 0; u + 1 < plan.unique.size(); ++u) {
@@ -380,8 +373,8 @@ Plan make_plan(
     a.adjacent_next = a.eligible && b.eligible && a.ptr + static_cast<uintptr_t>(a.nbytes) == b.ptr &&
         plan.keys[a.first_input].storage == plan.keys[b.first_input].storage;
   }
-  fp_hash = mix(fp_hash, plan.unique.size());
-  for (const auto u : plan.input_to_unique) fp_hash = mix(fp_hash, u);
+  fp_hash = hash_mix(fp_hash, plan.unique.size());
+  for (const auto u : plan.input_to_unique) fp_hash = hash_mix(fp_hash, u);
   plan.fp_hash = static_cast<int64_t>(fp_hash);
   choose_routes(plan);
   lay_out(plan);

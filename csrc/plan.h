@@ -96,6 +96,7 @@ struct Plan {
   // Loads (make_load_plan): `inputs` are the source's checkpoint tensors (none
   // elsewhere), `dests` what this rank writes, on every rank the source included.
   bool is_load = false;
+  int64_t units_sent = 0;  // checkpoint tensors with bytes
   std::vector<at::Tensor> dests;
   std::vector<CopyOp> host_ops;  // the source's runs in host memory, into a device ring
   std::vector<ScatterOp> scatter;
@@ -123,6 +124,13 @@ struct Plan {
   // of every rank's routes) allows, and lay the buckets out again.
   void restrict_routes(const at::Tensor& allowed);
 };
+
+// One step of the hashes ranks compare (structure, routes, a kept plan's
+// inputs, a load's ties): cheap, and every bit of `v` reaches every bit of the result.
+inline uint64_t hash_mix(uint64_t h, uint64_t v) {
+  h = (h ^ v) * 0x9E3779B97F4A7C15ull;
+  return h ^ (h >> 29);
+}
 
 // FNV-1a over int64 words (a fingerprint): what ranks compare first, one word each.
 int64_t hash_words(const at::Tensor& words);
@@ -158,6 +166,13 @@ Plan make_load_plan(
 // contiguous with each other merged, so the index arithmetic touches as few
 // dims as possible. More than kMaxDims left raises, naming `what()`.
 Layout collapse_layout(const at::Tensor& t, const std::function<std::string()>& what);
+
+// What a load's source sends first: per tensor a row of the `units` table
+// (dtype, ndim, sizes), the first tensor that is the same memory seen the same
+// way (ties are sent once), and (index, why) for each tensor it cannot send.
+std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>> describe_tensors(
+    const std::vector<at::Tensor>& tensors,
+    c10::Device device);
 
 // Bounds-checks the copy table against the tensors and buckets it points into;
 // called before anything is launched.

@@ -342,3 +342,12 @@ def test_lay_out_unit_copies_into_one_buffer_keeping_values_and_ties(monkeypatch
     assert not fsdp.lay_out_unit(net, list(net.parameters()))
     mixed = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4).double()})
     assert not fsdp.lay_out_unit(mixed, list(mixed.parameters()))
+
+
+def test_param_init_fn_returns_the_module_it_was_given():
+    """Frameworks wrap param_init_fn and use its result (accelerate: module = fn(module); module.weight)."""
+    fn = coalesced_bcast.fsdp.param_init_fn(CPU)
+    with torch.device("meta"):
+        lin = nn.Linear(4, 3)
+    assert fn(lin) is lin and not lin.weight.is_meta and lin.weight.shape == (3, 4)
+    assert fn(lin) is lin  # already real: left alone, still returned

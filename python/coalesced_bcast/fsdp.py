@@ -57,11 +57,13 @@ class MetaMaterializer:
     def __repr__(self) -> str:
         return f"coalesced_bcast.fsdp.param_init_fn({self.device})"
 
-    def __call__(self, module: nn.Module) -> None:
+    def __call__(self, module: nn.Module) -> nn.Module:
+        """Materialize ``module``'s own meta tensors; returns ``module``, as frameworks that wrap a
+        ``param_init_fn`` expect (accelerate's ``ensure_weights_retied`` reads ties from the result)."""
         params = {k: p for k, p in module._parameters.items() if p is not None}
         buffers = {k: b for k, b in module._buffers.items() if b is not None}
         if not any(t.is_meta for t in (*params.values(), *buffers.values())):
-            return
+            return module
         simple = all(t.is_meta and id(t) not in self._memo for t in (*params.values(), *buffers.values()))
         if simple:
             # torch's own path: keeps its handling of Parameter subclasses and the __future__ flags.
@@ -79,6 +81,7 @@ class MetaMaterializer:
             self._remember(p, module._parameters[k])
         for k, b in buffers.items():
             self._remember(b, module._buffers[k])
+        return module
 
     def _remember(self, meta: torch.Tensor, new: torch.Tensor) -> None:
         if new is meta or not meta.is_meta or id(meta) in self._memo:  # swapped in place: ties hold already

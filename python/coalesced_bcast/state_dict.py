@@ -16,9 +16,10 @@ allocated anywhere: a tensor larger than a bucket is split across buckets.
 """
 from __future__ import annotations
 
+import array
 import hashlib
+import itertools
 import logging
-import math
 import os
 import pickle
 import time
@@ -199,56 +200,50 @@ def _model_device(model_sd: Mapping[str, Any], extra: Mapping[str, nn.Module],
     return device
 
 
-def _source_problem(v: Any, device: torch.device) -> Optional[str]:
+def _source_problem(v: Any) -> str:
+    """Why a value that is not a plain tensor cannot be sent (plain tensors are checked in C++)."""
     if not isinstance(v, torch.Tensor):
         return f"a {type(v).__name__}, not a tensor"
     if isinstance(v, DTensor):
         return "a DTensor: the source must hold a full state dict of plain tensors"
-    if type(v) not in (torch.Tensor, nn.Parameter):
-        return f"a tensor subclass ({type(v).__name__}), not a plain tensor"
-    if v.layout != torch.strided:
-        return f"a {v.layout} tensor; only dense tensors can be loaded"
-    if v.is_meta:
-        return "a meta tensor (it has no data)"
-    if v.device.type != "cpu" and v.device != device:
-        return f"on {v.device}, but the model is on {device}; use CPU tensors or the model's device"
-    return None
+    return f"a tensor subclass ({type(v).__name__}), not a plain tensor"
 
 
 def _describe_source(sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Module], device: torch.device,
                      error: Optional[str], bucket_bytes: int, ring_depth: int,
                      rank: int) -> tuple[dict, list[Optional[torch.Tensor]]]:
-    """The metadata every rank plans from: keys, dtypes, shapes, which keys share one tensor."""
-    meta: dict[str, Any] = dict(fatal=None, keys=[], info=[], bucket_bytes=bucket_bytes, ring_depth=ring_depth)
-    tensors: list[Optional[torch.Tensor]] = []
+    """The metadata every rank plans from: the keys; for the plain tensors among the values (their key
+    indices in `rows`) a C++-made table of dtype, ndim and sizes and, in `canon`, the first key that is
+    the same tensor (ties are sent once); extra states (`extras`, pickled objects) and refusals (`bad`)."""
+    meta: dict[str, Any] = dict(fatal=None, keys=[], rows=None, table=None, canon=None, extras={}, bad={},
+                                bucket_bytes=bucket_bytes, ring_depth=ring_depth)
     if error is None and not isinstance(sd, Mapping):
         error = f"sd is {'None' if sd is None else 'a ' + type(sd).__name__} on the source; pass the full state dict"
     if error is None:
         error = _check_options(bucket_bytes, ring_depth)
     if error is not None:
         meta["fatal"] = f"rank {rank}: {error}"
-        return meta, tensors
-    seen: dict[tuple, int] = {}
+        return meta, []
+    keys = meta["keys"] = list(sd.keys())
+    bad_key = next((k for k in keys if not isinstance(k, str)), None)
+    if bad_key is not None:
+        meta["fatal"] = f"rank {rank}: the state dict has a key that is not a string: {bad_key!r}"
+        return meta, []
+    rows, tensors = [], []
+    plain = (torch.Tensor, nn.Parameter)
     for i, (k, v) in enumerate(sd.items()):
-        meta["keys"].append(k)
-        tensors.append(None)
-        if not isinstance(k, str):
-            meta["fatal"] = f"rank {rank}: the state dict has a key that is not a string: {k!r}"
-            return meta, []
         if k in extra:  # a module's extra state: any picklable object, sent with the metadata
-            meta["info"].append(("x", v.detach().cpu() if isinstance(v, torch.Tensor) else v))
-            continue
-        problem = _source_problem(v, device)
-        if problem:
-            meta["info"].append(("bad", problem))
-            continue
-        canon = i
-        if v.numel():
-            ident = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.stride(), v.dtype,
-                     v.device, v.is_conj(), v.is_neg())
-            canon = seen.setdefault(ident, i)
-        meta["info"].append(("t", v.dtype, tuple(v.shape), canon))
-        tensors[i] = v.detach()
+            meta["extras"][i] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
+        elif type(v) in plain:
+            rows.append(i)
+            tensors.append(v)
+        else:
+            meta["bad"][i] = _source_problem(v)
+    table, canon, problems = _C.describe_tensors(tensors, device)
+    for j, why in problems:
+        meta["bad"][rows[j]] = why
+    meta["rows"], meta["table"] = torch.tensor(rows, dtype=torch.int64), table
+    meta["canon"] = torch.tensor(rows, dtype=torch.int64)[canon]  # as key indices
     return meta, tensors
 
 
@@ -320,17 +315,20 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
         plan.errors.append(f"bucket_bytes={bucket_bytes}, ring_depth={ring_depth} on rank {rank}, but the source "
                            f"uses {meta['bucket_bytes']}, {meta['ring_depth']}; pass the same options everywhere")
         return
-    index = {k: i for i, k in enumerate(meta["keys"])}
-    info = meta["info"]
+    keys = meta["keys"]
+    index = {k: i for i, k in enumerate(keys)}
+    extras, bad = meta["extras"], meta["bad"]
+    row_of = dict(zip(meta["rows"].tolist(), range(len(meta["rows"]))))  # key index -> table row
+    table, canon = meta["table"].tolist(), meta["canon"].tolist()
     plan.missing = [k for k in model_sd if k not in index]
-    plan.unexpected = [k for k in meta["keys"] if k not in model_sd]
+    plan.unexpected = [k for k in keys if k not in model_sd]
     if strict and plan.missing:
         plan.errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.missing) + ".")
     if strict and plan.unexpected:
         plan.errors.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.unexpected) + ".")
     owned = _owned_tensors(model)
-    layouts: dict = {}  # per (mesh, placements): what _dtensor_box needs, looked up once
-    units: dict[int, int] = {}  # checkpoint entry (its canonical index) -> unit
+    boxes: dict = {}  # per (mesh, placements, shape): this rank's box, found once
+    units: dict[int, int] = {}  # checkpoint tensor (its canonical key) -> unit
     unit_rows: list[list[int]] = []
     # One destination per model tensor: a tensor named by two keys (tied) takes the last key's value,
     # as with load_state_dict.
@@ -341,38 +339,37 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
         if i is None:
             continue
         load_keys.append(k)
-        entry = info[i]
         if k in extra:
-            if entry[0] != "x":
+            if i not in extras:
                 plan.errors.append(f'"{k}": extra state on rank {rank}, but not on the source (models differ)')
             else:
-                plan.extras.append((entry[1], extra[k]))
+                plan.extras.append((extras[i], extra[k]))
             continue
-        if entry[0] == "bad":
-            plan.errors.append(f'While copying the parameter named "{k}", the source\'s value is {entry[1]}.')
+        if i in bad:
+            plan.errors.append(f'While copying the parameter named "{k}", the source\'s value is {bad[i]}.')
             continue
-        if entry[0] != "t":
+        j = row_of.get(i)
+        if j is None:
             plan.errors.append(f'"{k}": extra state on the source, but a tensor on rank {rank} (models differ)')
             continue
-        _, dtype, shape, canon = entry
+        row = table[j]
+        shape = tuple(row[2:2 + row[1]])
         if not isinstance(v, torch.Tensor) or id(v) not in owned:
             plan.errors.append(f'"{k}": the model\'s state_dict() value is not one of its parameters or buffers '
                                f'(a state_dict hook made a copy?), so it cannot be loaded in place.')
             continue
-        if tuple(v.shape) != shape:
+        if v.shape != shape:
             plan.errors.append(f"size mismatch for {k}: copying a param with shape {torch.Size(shape)} from "
                                f"checkpoint, the shape in current model is {v.shape}.")
             continue
-        if len(shape) > _MAX_DIMS:
-            plan.errors.append(f'"{k}" has {len(shape)} dims; at most {_MAX_DIMS} are supported.')
-            continue
-        if v.dtype != dtype:
+        if _dtype_code(v.dtype) != row[0]:
             plan.cast_keys += 1
-        unit = units.get(canon)
+        c = canon[j]
+        unit = units.get(c)
         if unit is None:
-            unit = units[canon] = len(unit_rows)
-            unit_rows.append([_dtype_code(dtype), len(shape), *shape] + [0] * (_MAX_DIMS - len(shape)))
-        dest = _make_dest(k, v, shape, rank, plan.errors, layouts)
+            unit = units[c] = len(unit_rows)
+            unit_rows.append(row)
+        dest = _make_dest(k, v, shape, rank, plan.errors, boxes)
         if dest is not None:
             dests[id(v)] = (dest[0], [unit, *dest[1]] + [0] * (_MAX_DIMS - len(dest[1])))
     plan.num_keys = len(load_keys)
@@ -380,25 +377,23 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
     if plan.errors:
         return
     # Units in model order (ties on a rank are written in load_state_dict's order); the source's tensors
-    # in the same order. A lazy conjugate or negative bit is resolved here (a copy of that tensor only).
-    sources = []
-    if src_tensors is not None:
-        by_unit = sorted(units.items(), key=lambda kv: kv[1])
-        sources = [src_tensors[canon] for canon, _ in by_unit]
-        sources = [t.resolve_conj().resolve_neg() if t.is_conj() or t.is_neg() else t for t in sources]
+    # in the same order (by table row).
+    sources = [src_tensors[row_of[c]] for c in units] if src_tensors is not None else []
     local = [d for d, _ in dests.values()]
-    bad = [k for k, v in model_sd.items() if id(v) in dests and (dests[id(v)][0].is_conj() or dests[id(v)][0].is_neg())]
-    if bad:
-        plan.errors.append(f'"{bad[0]}" has a lazy conjugate or negative bit; resolve it before loading.')
-        return
-    units_t = torch.tensor(unit_rows, dtype=torch.int64).reshape(len(unit_rows), 2 + _MAX_DIMS)
-    meta_t = torch.tensor([m for _, m in dests.values()], dtype=torch.int64).reshape(len(dests), 1 + _MAX_DIMS)
+    units_t = _int64_table(unit_rows, 2 + _MAX_DIMS)
+    meta_t = _int64_table([m for _, m in dests.values()], 1 + _MAX_DIMS)
     if copy_threads is None:
         copy_threads = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     plan.core = _C.load_plan(units_t, sources, local, meta_t, bucket_bytes, ring_depth, rank, max(1, int(copy_threads)),
                              device)
-    plan.tensors = sum(1 for r in unit_rows if math.prod(r[2:2 + r[1]]) > 0)
-    plan.total = sum(math.prod(r[2:2 + r[1]]) * _dtype_size(r[0]) for r in unit_rows)
+    plan.tensors, plan.total = plan.core.num_units_sent, plan.core.total_bytes
+
+
+def _int64_table(rows: list[list[int]], width: int) -> torch.Tensor:
+    """rows as an int64 [len(rows), width] tensor, through one flat buffer (nested lists convert slowly)."""
+    flat = array.array("q", itertools.chain.from_iterable(rows))
+    return torch.frombuffer(flat, dtype=torch.int64).reshape(len(rows), width) if rows else \
+        torch.zeros((0, width), dtype=torch.int64)
 
 
 _CODES: dict[torch.dtype, int] = {}
@@ -412,10 +407,6 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return code
 
 
-def _dtype_size(code: int) -> int:
-    return _C.scalar_type_size(code)
-
-
 def _owned_tensors(model: nn.Module) -> set[int]:
     """state_dict(keep_vars=True) returns the registered objects themselves, unless a hook copied one."""
     owned = {id(p) for _, p in model.named_parameters(remove_duplicate=False)}
@@ -424,53 +415,52 @@ def _owned_tensors(model: nn.Module) -> set[int]:
 
 
 def _make_dest(key: str, v: torch.Tensor, shape: tuple[int, ...], rank: int, errors: list[str],
-               layouts: dict) -> Optional[tuple[torch.Tensor, tuple[int, ...]]]:
+               boxes: dict) -> Optional[tuple[torch.Tensor, tuple[int, ...]]]:
     """(this rank's local tensor, the global offset of the box it holds), or None when it holds nothing."""
-    if isinstance(v, DTensor):
-        box = _dtensor_box(key, v, shape, rank, errors, layouts)
-        if box is None:
-            return None
-        return v._local_tensor, box[0]
-    return v, (0,) * len(shape)
-
-
-def _dtensor_box(key: str, v: DTensor, shape: tuple[int, ...], rank: int, errors: list[str],
-                 layouts: dict) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """The global box [lo, hi) this rank's local tensor holds; None when it holds nothing.
-
-    ``layouts`` memoizes per (mesh, placements) the checks and mesh lookups, the same for every
-    tensor of an FSDP2 model: at 16k tensors they cost more than the boxes themselves."""
-    mesh, placements = v.device_mesh, v.placements
-    layout = layouts.get((id(mesh), placements))
-    if layout is None:
-        bad = [p for p in placements if type(p) is not Shard and type(p) is not Replicate]
-        layout = (f"placement {bad[0]} is not supported (only Shard(dim) and Replicate)" if bad else None,
-                  mesh.get_coordinate(), mesh.ndim, mesh.size(0) if mesh.ndim == 1 else 0)
-        layouts[(id(mesh), placements)] = layout
-    problem, coord, ndim, mesh_size = layout
+    if not isinstance(v, DTensor):
+        return v, (0,) * len(shape)
+    spec = v._spec
+    local = v._local_tensor
+    mesh, placements = spec.mesh, spec.placements
+    key = (id(mesh), id(placements), shape)  # ids: hashing placements runs Python per call
+    found = boxes.get(key)
+    if found is None:  # the same for every tensor of this shape and layout: an MoE's experts share one
+        found = boxes[key] = _dtensor_box(mesh, placements, shape)
+    problem, lo, local_shape = found
     if problem is not None:
         errors.append(f'"{key}": {problem}')
         return None
-    if coord is None:
+    if lo is None:
         return None
+    if local.shape != local_shape:
+        errors.append(f'"{key}": rank {rank} holds a local shard of shape {tuple(local.shape)}, but its '
+                      f'placements {placements} on a mesh of shape {tuple(mesh.shape)} give '
+                      f'{tuple(local_shape)}')
+        return None
+    return local, lo
+
+
+def _dtensor_box(mesh, placements, shape: tuple[int, ...]):
+    """(problem, the global offset of this rank's box or None if it holds none, the box's shape)."""
+    bad = [p for p in placements if type(p) is not Shard and type(p) is not Replicate]
+    if bad:
+        return f"placement {bad[0]} is not supported (only Shard(dim) and Replicate)", None, None
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None, None, None
     lo, hi = [0] * len(shape), list(shape)
-    if ndim == 1:
+    if mesh.ndim == 1:
         p = placements[0]
         if type(p) is Shard:  # torch.chunk's split, as DTensor's Shard uses: ceil-sized chunks, empty tails
             d, n = p.dim % len(shape), shape[p.dim % len(shape)]
-            chunk = -(-n // mesh_size)
+            chunk = -(-n // mesh.size(0))
             lo[d] = min(coord[0] * chunk, n)
             hi[d] = min(lo[d] + chunk, n)
     else:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
         lshape, off = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
         lo, hi = list(off), [o + s for o, s in zip(off, lshape)]
-    local_shape = tuple(h - l for l, h in zip(lo, hi))
-    if local_shape != tuple(v._local_tensor.shape):
-        errors.append(f'"{key}": rank {rank} holds a local shard of shape {tuple(v._local_tensor.shape)}, but its '
-                      f'placements {placements} on a mesh of shape {tuple(mesh.shape)} give {local_shape}')
-        return None
-    return tuple(lo), tuple(hi)
+    return None, tuple(lo), torch.Size(h - l for l, h in zip(lo, hi))
 
 
 def _digest(load_keys: list[str], extra: Mapping[str, nn.Module]) -> int:
