@@ -52,7 +52,7 @@ for s in $steps; do
     init) step init 300 $RUN bench/init_bench.py --out "$LOGS/init.jsonl" ;;
     agree) step agree 120 $RUN bench/agree_probe.py --out "$LOGS/agree_probe.jsonl" ;;
     fsdp2) step fsdp2 540 $RUN bench/fsdp2_load.py --extra-buckets 128 --out "$LOGS/fsdp2.jsonl" ;;
-    loadcheck) step loadcheck 400 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
+    loadcheck) step loadcheck 400 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 --report-api-errors no \
         $PY -m pytest -q -s tests/test_gpu_nccl.py -k "load_full_state_dict" ;;
     soak) step soak 200 $RUN bench/soak.py --out "$LOGS/soak.jsonl" ;;
     gpuchecks) step gpuchecks 200 $RUN bench/soak.py --mode gpu-checks --out "$LOGS/soak-gpu-checks.jsonl" ;;
