@@ -416,7 +416,10 @@ def _owned_tensors(model: nn.Module) -> set[int]:
 
 def _make_dest(key: str, v: torch.Tensor, shape: tuple[int, ...], rank: int, errors: list[str],
                boxes: dict) -> Optional[tuple[torch.Tensor, tuple[int, ...]]]:
-    """(this rank's local tensor, the global offset of the box it holds), or None when it holds nothing."""
+    """(this rank's local tensor, the global offset of the box it holds), or None when it holds nothing.
+
+    ``boxes`` memoizes per mesh its coordinate and sizes, and per (mesh, placements, shape) the box:
+    DeviceMesh.size() costs about 14 us a call on torch 2.11 (2x H200 host), 0.2 s over 16k keys."""
     if not isinstance(v, DTensor):
         return v, (0,) * len(shape)
     spec = v._spec
@@ -425,7 +428,10 @@ def _make_dest(key: str, v: torch.Tensor, shape: tuple[int, ...], rank: int, err
     key = (id(mesh), id(placements), shape)  # ids: hashing placements runs Python per call
     found = boxes.get(key)
     if found is None:  # the same for every tensor of this shape and layout: an MoE's experts share one
-        found = boxes[key] = _dtensor_box(mesh, placements, shape)
+        facts = boxes.get(id(mesh))
+        if facts is None:
+            facts = boxes[id(mesh)] = (mesh.get_coordinate(), mesh.ndim, mesh.size(0) if mesh.ndim == 1 else 0)
+        found = boxes[key] = _dtensor_box(mesh, facts, placements, shape)
     problem, lo, local_shape = found
     if problem is not None:
         errors.append(f'"{key}": {problem}')
@@ -440,20 +446,21 @@ def _make_dest(key: str, v: torch.Tensor, shape: tuple[int, ...], rank: int, err
     return local, lo
 
 
-def _dtensor_box(mesh, placements, shape: tuple[int, ...]):
-    """(problem, the global offset of this rank's box or None if it holds none, the box's shape)."""
+def _dtensor_box(mesh, facts: tuple, placements, shape: tuple[int, ...]):
+    """(problem, the global offset of this rank's box or None if it holds none, the box's shape);
+    `facts`: the mesh's (coordinate of this rank, ndim, size of a 1-D mesh)."""
     bad = [p for p in placements if type(p) is not Shard and type(p) is not Replicate]
     if bad:
         return f"placement {bad[0]} is not supported (only Shard(dim) and Replicate)", None, None
-    coord = mesh.get_coordinate()
+    coord, ndim, size = facts
     if coord is None:
         return None, None, None
     lo, hi = [0] * len(shape), list(shape)
-    if mesh.ndim == 1:
+    if ndim == 1:
         p = placements[0]
         if type(p) is Shard:  # torch.chunk's split, as DTensor's Shard uses: ceil-sized chunks, empty tails
             d, n = p.dim % len(shape), shape[p.dim % len(shape)]
-            chunk = -(-n // mesh.size(0))
+            chunk = -(-n // size)
             lo[d] = min(coord[0] * chunk, n)
             hi[d] = min(lo[d] + chunk, n)
     else:
