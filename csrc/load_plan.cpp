@@ -165,7 +165,7 @@ Plan make_load_plan(
                       what, " is not a dense tensor on ", plan.device);
     TORCH_CHECK_VALUE(t.scalar_type() == u.dtype || (castable(t.scalar_type()) && castable(u.dtype)), what,
                       " is ", t.scalar_type(), " but the checkpoint holds ", u.dtype,
-                      ": only floating dtypes (float16, bfloat16, float32, float64) are cast");
+                      ": only real dtypes and bool are cast");
     TORCH_CHECK_VALUE(t.dim() == u.ndim, what, " has ", t.dim(), " dims, the checkpoint's tensor ", u.ndim);
     TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, what, " overlaps itself");
     TORCH_CHECK_VALUE(!t.is_conj() && !t.is_neg(), what,

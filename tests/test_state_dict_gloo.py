@@ -359,5 +359,45 @@ def _nan_payload_body(rank: int, world: int) -> None:
 
 
 def test_nan_payloads_survive_a_float_opmath_foreach_copy() -> None:
-    """Regression (H200, torch 2.11): the copy-out must move bits even where _foreach_copy_ computes in float."""
+    """Regression (H200, torch 2.11): the copy-out must move bits even where _foreach_copy_ computes in float.
+    The engine's scatter copies bytes and never calls _foreach_copy_; this keeps that true."""
     run_ranks(2, _nan_payload_body)
+
+
+class Casts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("i64", torch.zeros(6, dtype=torch.int64))
+        self.register_buffer("flag", torch.zeros(5, dtype=torch.bool))
+        self.w = nn.Parameter(torch.zeros(3, 70, dtype=torch.float32))
+        self.h = nn.Parameter(torch.zeros(300, dtype=torch.bfloat16))
+        self.c = nn.Parameter(torch.zeros(2, dtype=torch.complex128))
+
+
+def _casts_body(rank: int, ws: int) -> None:
+    """Checkpoints in other dtypes, cast by the engine as load_state_dict casts (bitwise, NaN payloads
+    included), in buckets small enough to split the tensors; a complex cast refused on every rank."""
+    g = torch.Generator().manual_seed(3)
+    sd = {"i64": torch.randint(-2**31, 2**31 - 1, (6,), generator=g, dtype=torch.int32),
+          "flag": torch.tensor([0.0, -0.0, 2.5, float("nan"), 1.0]),
+          "w": torch.empty(3, 70, dtype=torch.float64), "h": torch.empty(300, dtype=torch.float32),
+          "c": torch.randn(2, dtype=torch.complex128, generator=g)}
+    fill_random_bytes(sd["w"], g)
+    fill_random_bytes(sd["h"], g)
+    model = Casts()
+    stats = load_full_state_dict(model, sd if rank == 0 else None, bucket_bytes=4096)
+    ref = Casts()
+    ref.load_state_dict(sd)
+    for k in ("i64", "flag", "w", "h", "c"):
+        assert same_bits(getattr(model, k), getattr(ref, k)), f"'{k}' differs from load_state_dict on rank {rank}"
+    assert stats.cast_keys == 4, stats
+    bad = dict(sd, c=sd["c"].to(torch.complex64))
+    before = snapshot(model)
+    expect_error(lambda: load_full_state_dict(model, bad if rank == 0 else None, bucket_bytes=4096),
+                 '"c"', "ComplexFloat", "ComplexDouble", "complex and float8 must match")
+    after = snapshot(model)
+    assert all(same_bits(before[k], after[k]) for k in before), "a refused load wrote something"
+
+
+def test_casts_as_load_state_dict() -> None:
+    run_ranks(2, _casts_body)

@@ -363,6 +363,11 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
                                f"checkpoint, the shape in current model is {v.shape}.")
             continue
         if _dtype_code(v.dtype) != row[0]:
+            if v.dtype not in _CASTABLE or row[0] not in _CASTABLE_CODES:
+                ours = _C.dtype_name(_dtype_code(v.dtype))
+                plan.errors.append(f'"{k}": the checkpoint holds {_C.dtype_name(row[0])}, the model {ours}; only '
+                                   f'real dtypes and bool are cast, complex and float8 must match.')
+                continue
             plan.cast_keys += 1
         c = canon[j]
         unit = units.get(c)
@@ -397,6 +402,10 @@ def _int64_table(rows: list[list[int]], width: int) -> torch.Tensor:
 
 
 _CODES: dict[torch.dtype, int] = {}
+#: What the engine casts between (csrc/cast.h: castable()).
+_CASTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+             torch.int32, torch.int64, torch.bool)
+_CASTABLE_CODES = {_C.scalar_type_code(d) for d in _CASTABLE}
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
