@@ -151,13 +151,15 @@ class CudaExecutor final : public Executor {
     if (staged_.empty()) return;
     if (host_used_[s]) host_free_[s].synchronize();  // the copy that last read this pinned slot is done
     stager_->stage(staged_.data(), static_cast<int64_t>(staged_.size()), plan_.layouts, host);
-    // Up in spans: runs closer than kDirectMin are joined (their alignment gaps travel too).
+    // Up in spans of runs that are back to back but for alignment padding (under kAlign bytes):
+    // a wider gap holds a run copied another way (straight from pinned memory, or packed on the
+    // device), which a joined span would overwrite.
     int64_t lo = staged_.front().bucket_offset, hi = lo;
     auto flush = [&] {
       C10_CUDA_CHECK(cudaMemcpyAsync(dev + lo, host + lo, hi - lo, cudaMemcpyHostToDevice, copy_.stream()));
     };
     for (const auto& op : staged_) {
-      if (op.bucket_offset - hi > kDirectMin) {
+      if (op.bucket_offset - hi >= kAlign) {
         flush();
         lo = op.bucket_offset;
       }

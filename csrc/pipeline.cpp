@@ -144,8 +144,9 @@ RunStats broadcast_plan(
   stats.ring_bytes = arena.numel();
   exec->set_table(arena.narrow(0, ring_bytes, exec->table_bytes()));
   const bool report = is_src && progress.report;
-  auto next_report = t0 + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                              std::chrono::duration<double>(progress.every));
+  const auto every = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(progress.every));
+  auto next_report = t0 + every;
   int64_t queued = 0;
   for (int64_t k = 0; k < static_cast<int64_t>(plan.buckets.size()); ++k) {
     const int64_t s = k % plan.ring_slots;
@@ -178,8 +179,7 @@ RunStats broadcast_plan(
     queued += plan.buckets[k].nbytes;
     if (report && std::chrono::steady_clock::now() >= next_report) {
       progress.report(queued);
-      next_report = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                            std::chrono::duration<double>(progress.every));
+      next_report = std::chrono::steady_clock::now() + every;
     }
   }
   stats.host_ring_bytes = exec->host_bytes();

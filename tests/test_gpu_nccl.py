@@ -140,7 +140,7 @@ def _load_body(rank, world_size):
         t.view(torch.uint8).copy_(torch.randint(0, 256, (t.numel() * t.element_size(),), generator=g,
                                                 dtype=torch.uint8).view(t.view(torch.uint8).shape))
         full[k] = t
-    for source in ("pinned", "pageable", "strided", "gpu"):
+    for source in ("pinned", "pageable", "strided", "gpu", "mixed"):
         for cast in (False, True):
             m = model(cast)
             sd = None
@@ -151,8 +151,11 @@ def _load_body(rank, world_size):
                     sd = dict(full)
                 elif source == "strided":
                     sd = {k: v.t().contiguous().t() if v.dim() == 2 else v for k, v in full.items()}
-                else:
+                elif source == "gpu":
                     sd = {k: v.to(dev) for k, v in full.items()}
+                else:  # one bucket holds runs packed on the device, copied from pinned memory and staged
+                    kinds = [lambda v: v.to(dev), lambda v: v.pin_memory(), lambda v: v]
+                    sd = {k: kinds[i % 3](v) for i, (k, v) in enumerate(full.items())}
             torch.cuda.synchronize()
             base_alloc, base_res = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
             torch.cuda.reset_peak_memory_stats()

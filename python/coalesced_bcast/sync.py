@@ -118,11 +118,6 @@ def gc_paused(fn):
     return paused
 
 
-_OPTION_DEFAULTS = dict(bucket_bytes=DEFAULT_BUCKET_BYTES, ring_depth=DEFAULT_RING_DEPTH,
-                        inplace_min_bytes=DEFAULT_INPLACE_MIN_BYTES, coalesce_bytes=DEFAULT_COALESCE_BYTES,
-                        small_inplace_max=DEFAULT_SMALL_INPLACE_MAX)
-
-
 class SyncPlan:
     """A plan for broadcasting the same tensors from the same source again and again.
 
