@@ -2,6 +2,7 @@
 // structure for the Python side (agreement, tests), and broadcast().
 #include <torch/extension.h>
 
+#include "host_stage.h"
 #include "pipeline.h"
 #include "plan.h"
 #include "verify.h"
@@ -92,6 +93,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("units"), py::arg("sources"), py::arg("dests"), py::arg("dest_meta"), py::arg("bucket_bytes"),
       py::arg("ring_depth"), py::arg("rank"), py::arg("copy_threads"), py::arg("device"),
       "A load's plan: checkpoint tensors (units: dtype, ndim, sizes) streamed into this rank's shards (dests)");
+  m.def(
+      "_host_stage",
+      [](const std::vector<at::Tensor>& tensors, int64_t threads) {
+        // Test hook: the host stage's threaded pack of `tensors` (CPU, any strides) back to back
+        // (16-byte aligned) into one buffer, as a load's source packs a bucket.
+        std::vector<CopyOp> ops;
+        std::vector<Layout> layouts;
+        int64_t offset = 0;
+        for (const auto& t : tensors) {
+          TORCH_CHECK_VALUE(t.is_cpu(), "_host_stage takes CPU tensors");
+          offset = align_up(offset, kAlign);
+          int32_t layout = -1;
+          if (!t.is_contiguous()) {
+            layouts.push_back(collapse_layout(t, [] { return std::string("a test tensor"); }));
+            layout = static_cast<int32_t>(layouts.size() - 1);
+          }
+          const int64_t nbytes = t.numel() * static_cast<int64_t>(t.element_size());
+          if (nbytes > 0) {
+            ops.push_back(CopyOp{reinterpret_cast<uint64_t>(t.data_ptr()), 0, offset, nbytes, layout,
+                                 static_cast<int32_t>(t.element_size())});
+          }
+          offset += nbytes;
+        }
+        auto bucket = at::zeros({offset}, at::kByte);
+        HostStager stager(threads);
+        stager.stage(ops.data(), static_cast<int64_t>(ops.size()), layouts, bucket.data_ptr<uint8_t>());
+        return bucket;
+      },
+      py::arg("tensors"), py::arg("threads"), py::call_guard<py::gil_scoped_release>());
   m.def("describe_tensors", &describe_tensors, py::arg("tensors"), py::arg("device"),
         "A load source's tensors: (table int64 [n, 2 + 8] of dtype, ndim, sizes; canonical index of each; "
         "[(index, why)] for those that cannot be sent)");

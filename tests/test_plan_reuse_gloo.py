@@ -106,3 +106,25 @@ def _module_body(rank, world_size):
 
 def test_kept_module_plan_sees_replaced_parameters():
     run_ranks(2, _module_body)
+
+
+def _routes_body(rank, world_size):
+    """Ranks lay one tensor out differently (contiguous on one, transposed on another): the first run
+    agrees on routes every rank can take; later runs reuse them and stay bitwise."""
+    big = torch.zeros(64, 64)
+    if rank == 1:
+        big = torch.zeros(64, 64).t().contiguous().t()  # same shape, other strides: not sendable in place
+    small = torch.zeros(10)
+    plan = coalesced_bcast.plan_sync([big, small], src=0, inplace_min_bytes=1024, bucket_bytes=4096)
+    for step in range(3):
+        if rank == 0:
+            big.copy_(torch.arange(4096.0).view(64, 64) + step)
+            small.fill_(step)
+        stats = plan.run()
+        assert torch.equal(big, torch.arange(4096.0).view(64, 64) + step), f"rank {rank} step {step}"
+        assert torch.equal(small, torch.full((10,), float(step)))
+        assert stats.inplace_tensors == 0 and stats.rerouted == (1 if rank == 0 else 0), stats
+
+
+def test_kept_plan_agrees_routes_once():
+    run_ranks(2, _routes_body)
