@@ -47,7 +47,7 @@ for s in $steps; do
   case $s in
     env) step env 60 bash -c "nvidia-smi; nvidia-smi topo -m; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.nccl.version(), torch.cuda.device_count())'" ;;
     build) step build 500 bash -c build ;;
-    gputest) step gputest 400 $PY -m pytest -q -s tests/test_gpu_nccl.py ;;
+    gputest) step gputest 400 $PY -m pytest -q -s tests/test_gpu_nccl.py tests/test_gpu_single.py ;;
     bench) step bench 500 $RUN bench/bench.py --out "$LOGS/bench" ;;
     init) step init 300 $RUN bench/init_bench.py --out "$LOGS/init.jsonl" ;;
     agree) step agree 120 $RUN bench/agree_probe.py --out "$LOGS/agree_probe.jsonl" ;;
