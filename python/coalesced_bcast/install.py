@@ -46,10 +46,12 @@ _FSDP_SYNCED = "_fsdp_synced"  # the mark FSDP1 puts on buffers it synced (FSDP_
 
 @dataclass(frozen=True)
 class PatchedCall:
-    """One sync that went through a patched torch function."""
+    """One sync that went through a patched torch function: served by coalesced_bcast (``stats``), or
+    handed to torch's own function (``fallback`` says why; ``stats`` is None)."""
 
     site: str  # "fsdp1" or "ddp"
-    stats: SyncStats
+    stats: Optional[SyncStats]
+    fallback: Optional[str] = None
 
 
 @dataclass
@@ -57,6 +59,7 @@ class _FsdpUnit:
     module: nn.Module
     group: dist.ProcessGroup
     cpu_ok: bool
+    fallback: bool = False  # torch's own functions sync this unit
 
 
 _lock = threading.Lock()
@@ -78,6 +81,39 @@ def _record(site: str, stats: SyncStats) -> None:
     _history.append(PatchedCall(site, stats))
     logger.debug("coalesced_bcast: %s sync of %d tensors (%d bytes) went through coalesced_bcast",
                  site, stats.tensors, stats.bytes)
+
+
+_fallbacks_logged: set[tuple[str, str]] = set()
+
+
+def _fallback_reason(pg: dist.ProcessGroup, tensors: list[torch.Tensor]) -> Optional[str]:
+    """Why this sync goes to torch's own function instead, or None when coalesced_bcast serves it.
+
+    Only facts every rank of the group shares decide it (the group's class, whether torch.distributed
+    knows it, the device type of its tensors, which torch's own path needs alike on every rank), so no
+    rank falls back while another does not. torch's _broadcast_coalesced takes any ProcessGroup
+    object; ours needs the group's registration (global ranks, its store) and a backend for the device.
+    """
+    if type(pg) is not dist.ProcessGroup:  # a Python subclass overrides what the C++ core would call
+        return (f"the group is a {type(pg).__module__}.{type(pg).__qualname__}, not a ProcessGroup made by "
+                f"torch.distributed (one implemented in Python, or a bare backend)")
+    try:
+        dist.get_process_group_ranks(pg)
+    except (ValueError, RuntimeError, KeyError):
+        return "the group is not registered with torch.distributed (made without new_group/init_process_group)"
+    device = next((t.device for t in tensors if t.device.type != "meta"), None)
+    types = {d.type for d in getattr(pg, "_device_types", [])}
+    if device is not None and types and device.type not in types:
+        return f"the group (backend {dist.get_backend(pg)}) has no backend for {device.type} tensors"
+    return None
+
+
+def _fall_back(site: str, reason: str) -> None:
+    """Record a call handed to torch, and say why once per (site, reason) at INFO."""
+    _history.append(PatchedCall(site, None, reason))
+    if (site, reason) not in _fallbacks_logged:
+        _fallbacks_logged.add((site, reason))
+        logger.info("coalesced_bcast: %s syncs over this kind of group use torch's own function: %s", site, reason)
 
 
 def _tensor_names(module: nn.Module, tensors: list[torch.Tensor]) -> list[str]:
@@ -105,6 +141,10 @@ def _fsdp_sync_params_and_buffers(original: Callable, process_group: dist.Proces
     whose list is not empty fails with a message instead of hanging.
     """
     pg = _group(process_group)
+    reason = _fallback_reason(pg, module_states)
+    if reason is not None:
+        _fall_back("fsdp1", reason)
+        return original(process_group, module_states, broadcast_bucket_size, src)
     unit = _unit.get()
     names = functools.partial(_tensor_names, unit.module, module_states) if unit is not None else None
     stats = broadcast_tensors(module_states, dist.get_global_rank(pg, src), pg, names=names)
@@ -114,7 +154,7 @@ def _fsdp_sync_params_and_buffers(original: Callable, process_group: dist.Proces
 def _fsdp_check_module_states(original: Callable, module_states: list[torch.Tensor]) -> None:
     """Replaces FSDP1's refusal of CPU states: allowed over gloo, refused with the tensor's name otherwise."""
     unit = _unit.get()
-    if unit is None:  # called from outside FSDP1's per-unit sync: torch's own check
+    if unit is None or unit.fallback:  # outside FSDP1's per-unit sync, or torch syncs this unit: its own check
         return original(module_states)
     if unit.cpu_ok:
         return None
@@ -140,6 +180,13 @@ def _fsdp_sync_module_params_and_buffers(original: Callable, module: nn.Module, 
     edits it in place so that it keeps matching the source's deduplicated list.
     """
     pg = _group(process_group)
+    states = [*params, *module.buffers()]
+    if _fallback_reason(pg, states) is not None:  # torch's path, untouched (the mover records why)
+        token = _unit.set(_FsdpUnit(module, pg, False, fallback=True))
+        try:
+            return original(module, params, process_group)
+        finally:
+            _unit.reset(token)
     token = _unit.set(_FsdpUnit(module, pg, _has_gloo(pg)))
     try:
         unsynced = [b for b in module.buffers() if not getattr(b, _FSDP_SYNCED, False)]
@@ -207,13 +254,15 @@ def _ddp_sync_module_states(original: Callable, module: nn.Module, process_group
             if name not in params_and_buffers_to_ignore:
                 names.append(name)
                 states.append(b.detach())
-    if len({t.device for t in states}) > 1:
+    pg = _group(process_group)
+    reason = _fallback_reason(pg, states)
+    if reason is None and len({t.device for t in states}) > 1:
         # A multi-device module (model parallel inside one process): torch buckets per device.
-        logger.info("coalesced_bcast: DDP module spans %s; using torch's own sync",
-                    sorted({str(t.device) for t in states}))
+        reason = f"the module spans several devices ({', '.join(sorted({str(t.device) for t in states}))})"
+    if reason is not None:
+        _fall_back("ddp", reason)
         return original(
             module, process_group, broadcast_bucket_size, src, params_and_buffers_to_ignore, broadcast_buffers)
-    pg = _group(process_group)
     stats = broadcast_tensors(states, dist.get_global_rank(pg, src), pg, names=names)
     _record("ddp", stats)
 
