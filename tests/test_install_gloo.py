@@ -351,3 +351,28 @@ def test_param_init_fn_returns_the_module_it_was_given():
         lin = nn.Linear(4, 3)
     assert fn(lin) is lin and not lin.weight.is_meta and lin.weight.shape == (3, 4)
     assert fn(lin) is lin  # already real: left alone, still returned
+
+
+def _hsdp_body(rank, world_size):
+    """FSDP1 hybrid sharding with sync_module_states: torch syncs each unit over the inter-node group,
+    then the intra-node group; both go through coalesced_bcast and every rank ends with the source's
+    values. (A mesh whose shard dimension has one rank makes FSDP1 fall back to NO_SHARD, which syncs
+    nothing across ranks with or without install(): not tested here.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import ShardingStrategy
+    want = states(build(False, SOURCE_SEED))
+    for strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+        for shape in ((2, 2), (1, 4)):
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+            model = build(False, SOURCE_SEED if rank == 0 else 50 + rank)
+            coalesced_bcast.patched_calls(clear=True)
+            with coalesced_bcast.installed():
+                fsdp = _fsdp(model, {Block}, None, sharding_strategy=strategy, device_mesh=mesh)
+            assert_same(_full_states(fsdp), want, f"HSDP {strategy} mesh {shape}", rank)
+            calls = coalesced_bcast.patched_calls()
+            assert calls and all(c.fallback is None for c in calls), calls
+            assert len(calls) == 2 * len(type(fsdp).fsdp_modules(fsdp)), f"{strategy} {shape}: {len(calls)} syncs"
+
+
+def test_hsdp_sync_module_states_on_four_ranks():
+    run_ranks(4, _hsdp_body, timeout=240)
