@@ -200,6 +200,16 @@ def test_install_names_what_this_torch_lacks(monkeypatch, caplog):
 
 # ---------------------------------------------------------------------------------------------- FSDP1
 
+def _framework_wrapper(fn):
+    """A param_init_fn wrapped the way frameworks wrap one (accelerate's ensure_weights_retied: a closure
+    that calls it as `module = fn(module)` and reads the module's ties from the result)."""
+    def wrapped(module):
+        module = fn(module)
+        assert isinstance(module, nn.Module), "param_init_fn must return the module"
+        return module
+    return wrapped
+
+
 def _fsdp(model, units, init_fn, **kw):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -234,6 +244,7 @@ def _fsdp_body(rank, world_size):
         (True, {Block}, ours(CPU), {}, 4, 4),  # embed and head in the root unit
         (True, {Block, Head}, ours(CPU), {}, 4, 5),  # the tie crosses units: the root's embed is no longer meta
         (True, {Block}, plain_to_empty, {}, 4, 4),  # split by to_empty: re-tied from the source's names
+        (True, {Block}, _framework_wrapper(ours(CPU)), {}, 4, 4),  # wrapped by a framework: layout kept
         (False, {Block}, ours(CPU), {"use_orig_params": True}, 4, 4),  # no padding needed: all sizes aligned
         (False, {Block}, ours(CPU), {"use_orig_params": True, "wide_block": 1}, 3, 3),  # wide block padded
     ]

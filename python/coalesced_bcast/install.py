@@ -224,10 +224,34 @@ def _fsdp_materialize_with_param_init_fn(original: Callable, root_module: nn.Mod
     """Wraps FSDP1's call of ``param_init_fn`` on a unit's modules: our materializer gets the whole
     unit at once (one buffer for its parameters, see MetaMaterializer.materialize_unit); any other
     ``param_init_fn`` is called as torch calls it."""
-    if not isinstance(param_init_fn, _fsdp.MetaMaterializer):
+    ours = _materializer_inside(param_init_fn)
+    if ours is None:
         return original(root_module, param_init_fn, ignored_modules)
     modules = importlib.import_module(_FSDP)._get_modules_to_materialize(root_module, ignored_modules)
-    param_init_fn.materialize_unit(modules)
+    ours.materialize_unit(modules)
+    if ours is not param_init_fn:  # a framework's wrapper around ours: its own work, on modules now real
+        return original(root_module, param_init_fn, ignored_modules)
+
+
+def _materializer_inside(fn: Any, depth: int = 3) -> Optional[_fsdp.MetaMaterializer]:
+    """``fn`` itself if it is our materializer, or one that a framework wrapped (a closure such as
+    accelerate's ensure_weights_retied, a functools.partial, a functools.wraps wrapper), else None."""
+    if isinstance(fn, _fsdp.MetaMaterializer):
+        return fn
+    if depth == 0:
+        return None
+    inner = [getattr(fn, "func", None), getattr(fn, "__wrapped__", None)]
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            inner.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    for f in inner:
+        if callable(f) and not isinstance(f, type):
+            found = _materializer_inside(f, depth - 1)
+            if found is not None:
+                return found
+    return None
 
 
 def _fsdp_flatten_tensors(original: Callable, handle: Any, tensors: list[torch.Tensor], aligned_numel: int):
