@@ -86,7 +86,9 @@ def extension():
         return cpp_extension.CppExtension("coalesced_bcast._C", cpp, extra_compile_args={"cxx": cxx})
     os.environ["CUDA_HOME"] = cuda_home
     cpp_extension.CUDA_HOME = cuda_home
-    include = []
+    # The toolkit's own headers first: a wheel's (nvidia/cu13/include) may be of a newer CUDA than this
+    # nvcc, and cuda_toolkit.h refuses such a mix; the wheel only fills in what the toolkit lacks.
+    include = [os.path.join(cuda_home, "include")]
     if not os.path.exists(os.path.join(cuda_home, "include", "cusparse.h")):
         include += wheel_include("nvidia.cu13") or wheel_include("nvidia.cu12")
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0+PTX")
