@@ -15,6 +15,19 @@ def _net(seed):
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
 
 
+def _ddp_sync(pg, rank, what) -> list:
+    """DDP's init sync (torch.nn.parallel.distributed._sync_module_states) of a model built from this
+    rank's seed, over `pg`, with install() active: every rank must end with rank 0's values. Returns
+    the calls install() recorded."""
+    from torch.nn.parallel import distributed as ddp_mod
+    model = _net(rank)
+    coalesced_bcast.patched_calls(clear=True)
+    with coalesced_bcast.installed():
+        ddp_mod._sync_module_states(model, pg, 250 * 2**20, 0, set(), True)
+    _same_as_rank0(model, rank, what)
+    return coalesced_bcast.patched_calls()
+
+
 def _same_as_rank0(model, rank, what):
     flat = torch.cat([t.detach().reshape(-1).double() for t in model.state_dict().values()])
     out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
@@ -34,14 +47,7 @@ def _unregistered_group(rank, world_size):
 
 
 def _unregistered_body(rank, world_size):
-    pg = _unregistered_group(rank, world_size)
-    model = _net(rank)
-    ddp_sync = __import__("torch.nn.parallel.distributed", fromlist=["_sync_module_states"])
-    coalesced_bcast.patched_calls(clear=True)
-    with coalesced_bcast.installed():
-        ddp_sync._sync_module_states(model, pg, 250 * 2**20, 0, set(), True)
-    _same_as_rank0(model, rank, "DDP's sync over an unregistered group")
-    calls = coalesced_bcast.patched_calls()
+    calls = _ddp_sync(_unregistered_group(rank, world_size), rank, "DDP's sync over an unregistered group")
     assert [c.site for c in calls] == ["ddp"] and calls[0].stats is None, calls
     assert "not registered with torch.distributed" in calls[0].fallback, calls
 
@@ -69,23 +75,13 @@ class _PythonGroup(dist.ProcessGroup):
 
 def _python_group_body(rank, world_size):
     pg = _PythonGroup(dist.new_group(backend="gloo"))
-    model = _net(rank)
-    ddp_sync = __import__("torch.nn.parallel.distributed", fromlist=["_sync_module_states"])
-    coalesced_bcast.patched_calls(clear=True)
-    with coalesced_bcast.installed():
-        ddp_sync._sync_module_states(model, pg, 250 * 2**20, 0, set(), True)
-    _same_as_rank0(model, rank, "DDP's sync over a Python ProcessGroup")
+    calls = _ddp_sync(pg, rank, "DDP's sync over a Python ProcessGroup")
     assert pg.broadcasts > 0  # torch's path went through the Python group
-    calls = coalesced_bcast.patched_calls()
     assert [c.site for c in calls] == ["ddp"] and calls[0].stats is None, calls
     assert "_PythonGroup" in calls[0].fallback, calls
     # A registered group is still served by coalesced_bcast.
-    model = _net(rank)
-    with coalesced_bcast.installed():
-        ddp_sync._sync_module_states(model, dist.group.WORLD, 250 * 2**20, 0, set(), True)
-    _same_as_rank0(model, rank, "DDP's sync over the world")
-    calls = coalesced_bcast.patched_calls()
-    assert calls[-1].fallback is None and calls[-1].stats is not None, calls
+    calls = _ddp_sync(dist.group.WORLD, rank, "DDP's sync over the world")
+    assert [c.site for c in calls] == ["ddp"] and calls[0].fallback is None and calls[0].stats is not None, calls
 
 
 def test_ddp_sync_over_a_python_group_falls_back():
