@@ -87,7 +87,8 @@ def extension():
     os.environ["CUDA_HOME"] = cuda_home
     cpp_extension.CUDA_HOME = cuda_home
     # The toolkit's own headers first: a wheel's (nvidia/cu13/include) may be of a newer CUDA than this
-    # nvcc, and cuda_toolkit.h refuses such a mix; the wheel only fills in what the toolkit lacks.
+    # nvcc, and cuda_toolkit.h refuses such a mix (torch 2.15.0+cu132's headers with nvcc 13.0); the
+    # wheel only fills in what the toolkit lacks.
     include = [os.path.join(cuda_home, "include")]
     if not os.path.exists(os.path.join(cuda_home, "include", "cusparse.h")):
         include += wheel_include("nvidia.cu13") or wheel_include("nvidia.cu12")
