@@ -291,12 +291,9 @@ std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>>
     }
     row[0] = static_cast<int64_t>(t.scalar_type());
     row[1] = t.dim();
-    uint64_t h = hash_mix(hash_mix(static_cast<uint64_t>(t.scalar_type()), t.is_conj() | (t.is_neg() << 1)),
-                     static_cast<uint64_t>(t.device().type()));
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      row[2 + d] = t.size(d);
-      h = hash_mix(hash_mix(h, t.size(d)), t.stride(d));
-    }
+    for (int64_t d = 0; d < t.dim(); ++d) row[2 + d] = t.size(d);
+    const uint64_t h = hash_mix(hash_mix(layout_hash(*t.unsafeGetTensorImpl()), t.is_conj() | (t.is_neg() << 1)),
+                                static_cast<uint64_t>(t.device().type()));
     if (t.numel() > 0) keys.push_back(Key{reinterpret_cast<uintptr_t>(t.data_ptr()), h, i});
   }
   std::sort(keys.begin(), keys.end());

@@ -90,19 +90,11 @@ void check_no_overlap(const Plan& plan) {
   }
 }
 
-// dtype, sizes, strides and storage offset: what a kept plan's copy table
-// depends on besides the address.
-uint64_t shape_hash(const c10::TensorImpl& t) {
-  uint64_t h = hash_mix(static_cast<uint64_t>(t.dtype().toScalarType()), static_cast<uint64_t>(t.dim()));
-  const auto sizes = t.sizes();
-  const auto strides = t.strides();
-  for (size_t d = 0; d < sizes.size(); ++d) h = hash_mix(hash_mix(h, sizes[d]), strides[d]);
-  return hash_mix(h, static_cast<uint64_t>(t.storage_offset()));
-}
-
+// Layout and storage offset: what a kept plan's copy table depends on besides the address.
 InputKey key_of(const at::Tensor& t, uintptr_t addr) {
   const auto* impl = t.unsafeGetTensorImpl();
-  return InputKey{addr, impl->storage().unsafeGetStorageImpl(), shape_hash(*impl)};
+  return InputKey{addr, impl->storage().unsafeGetStorageImpl(),
+                  hash_mix(layout_hash(*impl), static_cast<uint64_t>(impl->storage_offset()))};
 }
 
 // Runs come out in stream order, so they are already sorted by bucket and by
@@ -476,6 +468,14 @@ at::Tensor Plan::fingerprint() const {
   }
   std::copy(input_to_unique.begin(), input_to_unique.end(), r);
   return fp;
+}
+
+uint64_t layout_hash(const c10::TensorImpl& t) {
+  uint64_t h = hash_mix(static_cast<uint64_t>(t.dtype().toScalarType()), static_cast<uint64_t>(t.dim()));
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
+  for (size_t d = 0; d < sizes.size(); ++d) h = hash_mix(hash_mix(h, sizes[d]), strides[d]);
+  return h;
 }
 
 int64_t hash_words(const at::Tensor& words) {

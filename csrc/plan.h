@@ -132,6 +132,10 @@ inline uint64_t hash_mix(uint64_t h, uint64_t v) {
   return h ^ (h >> 29);
 }
 
+// dtype, sizes and strides of a tensor, hashed: which memory order its bytes
+// are read in (a kept plan's check, a load source's ties).
+uint64_t layout_hash(const c10::TensorImpl& t);
+
 // FNV-1a over int64 words (a fingerprint): what ranks compare first, one word each.
 int64_t hash_words(const at::Tensor& words);
 
