@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one call on the device machine (nvidia-h200-x2):
-#   bash bench/device_run.sh [STEP...]     steps: env build gputest bench init agree fsdp2 loadcheck soak gpuchecks timeout sanitize perf (default: all)
+#   bash bench/device_run.sh [STEP...]     steps: env build gputest refittest refit bench init agree fsdp2 loadcheck soak gpuchecks timeout sanitize perf (default: all)
 # Builds the extension in place with the machine's own torch, then runs each step. Logs and results
 # go to $LOGS (default /tmp/device_run) and, after every step, into one archive $OUT/device_run.tgz
 # (the device tool returns at most 8 files, and a run cut short by its time limit still returns
@@ -15,7 +15,7 @@ export PYTHONPATH=$PWD/python:$PWD/tests${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFF
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-32}
 export PY=${PY:-python3}
 RUN="$PY -m torch.distributed.run --standalone --nproc-per-node 2"
-steps=${*:-env build gputest bench init agree fsdp2 soak gpuchecks timeout sanitize perf}
+steps=${*:-env build gputest refittest refit bench init agree fsdp2 soak gpuchecks timeout sanitize perf}
 status=0
 
 step() {  # step NAME TIMEOUT COMMAND...
@@ -48,6 +48,8 @@ for s in $steps; do
     env) step env 60 bash -c "nvidia-smi; nvidia-smi topo -m; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.nccl.version(), torch.cuda.device_count())'" ;;
     build) step build 500 bash -c build ;;
     gputest) step gputest 400 $PY -m pytest -q -s tests/test_gpu_nccl.py tests/test_gpu_single.py ;;
+    refittest) step refittest 300 $PY -m pytest -q -s tests/test_gpu_refit.py ;;
+    refit) step refit 560 $PY -m torch.distributed.run --standalone --nproc-per-node 3 bench/refit_bench.py --out "$LOGS/refit.jsonl" ;;
     bench) step bench 500 $RUN bench/bench.py --out "$LOGS/bench" ;;
     init) step init 300 $RUN bench/init_bench.py --out "$LOGS/init.jsonl" ;;
     agree) step agree 120 $RUN bench/agree_probe.py --out "$LOGS/agree_probe.jsonl" ;;

@@ -2,9 +2,13 @@
 // structure for the Python side (agreement, tests), and broadcast().
 #include <torch/extension.h>
 
+#include <c10/core/DeviceGuard.h>
+
+#include "executor.h"
 #include "host_stage.h"
 #include "pipeline.h"
 #include "plan.h"
+#include "units.h"
 #include "verify.h"
 
 namespace py = pybind11;
@@ -45,6 +49,50 @@ py::list bucket_table(const Plan& plan) {
   return out;
 }
 
+LoadOptions load_options(int64_t bucket_bytes, int64_t ring_depth, int64_t rank, c10::Device device, bool whole_units) {
+  LoadOptions o;
+  o.bucket_bytes = bucket_bytes;
+  o.ring_depth = ring_depth;
+  o.rank = rank;
+  o.device = device;
+  o.whole_units = whole_units;
+  return o;
+}
+
+std::chrono::milliseconds to_timeout(double seconds) {
+  return seconds > 0 ? std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)) : c10d::kUnsetTimeout;
+}
+
+// A Python callable as a BucketHook: called with the GIL, from inside the transfer.
+BucketHook as_hook(const std::optional<py::function>& fn) {
+  if (!fn) return {};
+  return [fn](int64_t bucket, const at::Tensor& slot) {
+    py::gil_scoped_acquire gil;
+    (*fn)(bucket, slot);
+  };
+}
+
+// Views of `rows` (bucket_units' rows of one bucket) into that bucket's slot:
+// a unit whole in it with its shape, a piece of one flat.
+std::vector<at::Tensor> slot_views(const at::Tensor& slot, const at::Tensor& rows, const at::Tensor& units_table) {
+  // Offsets come from the rows: the stream's layout (whole_in or not) does not matter here.
+  TORCH_CHECK_VALUE(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.size(1) == 5 && rows.is_cpu(),
+                    "rows must be bucket_units' int64 [n, 5] rows");
+  const auto units = read_units(units_table);
+  const auto r = rows.contiguous();
+  const auto* p = r.data_ptr<int64_t>();
+  std::vector<at::Tensor> out;
+  out.reserve(r.size(0));
+  for (int64_t i = 0; i < r.size(0); ++i, p += 5) {
+    TORCH_CHECK_VALUE(p[1] >= 0 && p[1] < static_cast<int64_t>(units.size()), "row ", i, " names unit ", p[1]);
+    const auto& u = units[p[1]];
+    TORCH_CHECK_VALUE(p[4] >= 0 && p[4] + p[3] * u.elem_size <= slot.numel(), "row ", i, " is outside the slot");
+    auto v = slot.narrow(0, p[4], p[3] * u.elem_size).view(u.dtype);
+    out.push_back(p[2] == 0 && p[3] == u.numel ? v.view(at::IntArrayRef(u.sizes, u.ndim)) : v);
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -81,18 +129,55 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "load_plan",
       [](const at::Tensor& units, std::vector<at::Tensor> sources, std::vector<at::Tensor> dests,
          const at::Tensor& dest_meta, int64_t bucket_bytes, int64_t ring_depth, int64_t rank, int64_t copy_threads,
-         c10::Device device) {
-        LoadOptions o;
-        o.bucket_bytes = bucket_bytes;
-        o.ring_depth = ring_depth;
-        o.rank = rank;
+         c10::Device device, bool whole_units) {
+        auto o = load_options(bucket_bytes, ring_depth, rank, device, whole_units);
         o.copy_threads = copy_threads;
-        o.device = device;
         return make_load_plan(units, std::move(sources), std::move(dests), dest_meta, o);
       },
       py::arg("units"), py::arg("sources"), py::arg("dests"), py::arg("dest_meta"), py::arg("bucket_bytes"),
       py::arg("ring_depth"), py::arg("rank"), py::arg("copy_threads"), py::arg("device"),
+      py::arg("whole_units") = false,
       "A load's plan: checkpoint tensors (units: dtype, ndim, sizes) streamed into this rank's shards (dests)");
+  m.def(
+      "refit_plan",
+      [](const at::Tensor& units, std::vector<at::Tensor> locals, const std::vector<int64_t>& modes,
+         int64_t trainer_rank, int64_t trainer_world, int64_t sender, int64_t bucket_bytes, int64_t ring_depth,
+         int64_t rank, c10::Device device, std::vector<std::string> names) {
+        return make_refit_plan(units, std::move(locals), modes, std::move(names), trainer_rank, trainer_world, sender,
+                               load_options(bucket_bytes, ring_depth, rank, device, /*whole_units=*/true));
+      },
+      py::arg("units"), py::arg("locals"), py::arg("modes"), py::arg("trainer_rank"), py::arg("trainer_world"),
+      py::arg("sender"), py::arg("bucket_bytes"), py::arg("ring_depth"), py::arg("rank"), py::arg("device"),
+      py::arg("names"),
+      "A refit's sending side on one trainer rank: its local tensors (whole on the sender, mode 0, or torch.chunk "
+      "rows, mode 1) packed, cast to the units' dtypes, and gathered into the stream the receivers load");
+  m.def(
+      "_refit_copy",
+      [](const Plan& plan, int64_t bucket, bool permute, const at::Tensor& src, const at::Tensor& dst) {
+        // Test hook: one bucket's refit pack (permute=False: this rank's rows into `dst`, its chunk or the
+        // slot) or the sender's permute (gathered chunks `src` into the slot `dst`), on the plan's device,
+        // without any communication.
+        TORCH_CHECK_VALUE(plan.is_refit && bucket >= 0 && bucket < static_cast<int64_t>(plan.buckets.size()),
+                          "a refit plan's bucket, got ", bucket);
+        c10::DeviceGuard guard(plan.device);
+        auto exec = make_executor(plan);
+        exec->begin();
+        exec->set_table(at::empty({exec->table_bytes()}, at::TensorOptions().dtype(at::kByte).device(plan.device)));
+        exec->copy_runs(permute ? Runs::kPermute : Runs::kScatter, bucket,
+                        permute ? reinterpret_cast<uintptr_t>(src.data_ptr()) : 0,
+                        reinterpret_cast<uintptr_t>(dst.data_ptr()), Lane::kCopy);
+        exec->end();
+      },
+      py::arg("plan"), py::arg("bucket"), py::arg("permute"), py::arg("src"), py::arg("dst"));
+  m.def("_refit_chunk_bytes", [](const Plan& plan) {
+    std::vector<int64_t> out;
+    for (const auto& r : plan.refit) out.push_back(r.chunk_bytes);
+    return out;
+  });
+  m.def("bucket_units", &bucket_units, py::arg("units"), py::arg("bucket_bytes"), py::arg("whole") = false,
+        "Per piece of a unit in a bucket: int64 [n, 5] of bucket, unit, first element, elements, byte offset");
+  m.def("slot_views", &slot_views, py::arg("slot"), py::arg("rows"), py::arg("units"),
+        "Views of one bucket's rows (bucket_units) into its slot: whole units shaped, pieces flat");
   m.def(
       "_host_stage",
       [](const std::vector<at::Tensor>& tensors, int64_t threads) {
@@ -152,6 +237,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_units_sent", [](const Plan& p) { return p.units_sent; })
       .def_property_readonly("num_scatter_runs", [](const Plan& p) { return p.scatter.size(); })
       .def_property_readonly("num_host_runs", [](const Plan& p) { return p.host_ops.size(); })
+      .def_property_readonly("num_permute_runs", [](const Plan& p) { return p.permute.size(); })
+      .def_property_readonly("chunk_slot_bytes", [](const Plan& p) { return p.chunk_slot_bytes; })
+      .def(
+          "refit_send",
+          [](const Plan& plan, const std::optional<c10::intrusive_ptr<c10d::ProcessGroup>>& trainer,
+             const std::optional<c10::intrusive_ptr<c10d::ProcessGroup>>& refit, int64_t refit_src, double timeout_s,
+             std::optional<py::function> hook) {
+            const auto h = as_hook(hook);
+            RunStats stats;
+            {
+              py::gil_scoped_release release;
+              stats = refit_send(plan, trainer.value_or(nullptr), refit.value_or(nullptr), refit_src,
+                                 to_timeout(timeout_s), h);
+            }
+            return std::make_tuple(stats.seconds, stats.ring_bytes);
+          },
+          py::arg("trainer"), py::arg("refit"), py::arg("refit_src"), py::arg("timeout_s") = 0.0,
+          py::arg("hook") = py::none())
       .def("describe", &Plan::describe, py::arg("input"))
       .def("fingerprint", &Plan::fingerprint)
       .def("routes", &Plan::routes)
@@ -163,9 +266,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "broadcast",
           [](const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t src, double timeout_s,
-             std::optional<py::function> progress, double progress_seconds) {
-            auto timeout = timeout_s > 0 ? std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000))
-                                         : c10d::kUnsetTimeout;
+             std::optional<py::function> progress, double progress_seconds, std::optional<py::function> hook) {
+            const auto timeout = to_timeout(timeout_s);
+            const auto h = as_hook(hook);
             Progress p;
             if (progress) {
               p.every = progress_seconds;
@@ -177,10 +280,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             RunStats stats;
             {
               py::gil_scoped_release release;
-              stats = broadcast_plan(plan, pg, src, timeout, p);
+              stats = broadcast_plan(plan, pg, src, timeout, p, h);
             }
             return std::make_tuple(stats.seconds, stats.ring_bytes, stats.host_ring_bytes);
           },
           py::arg("group"), py::arg("src"), py::arg("timeout_s") = 0.0, py::arg("progress") = py::none(),
-          py::arg("progress_seconds") = 0.0);
+          py::arg("progress_seconds") = 0.0, py::arg("hook") = py::none());
 }

@@ -41,6 +41,10 @@ struct CopyOp {
 // boundary) and several may read the same bytes (a tensor loaded into two
 // keys), so the kernel walks runs, not the bucket: each run is cut into
 // chunks, one block each, and first_chunk numbers them.
+// A refit reuses the run for its other cast copies, with both addresses taken
+// relative to a base given at launch (Executor::copy_runs): a trainer shard
+// into its chunk or the slot (source: the shard's address, base 0), a
+// gathered chunk into the slot.
 struct ScatterOp {
   uint64_t dst_ptr;       // the destination's first element (its local tensor)
   int64_t first;          // first element: an index into the destination (box < 0) or

@@ -19,8 +19,14 @@ class CpuExecutor final : public Executor {
   void unpack(int64_t bucket, at::Tensor slot) override {
     copy_bucket_cpu(plan_, bucket, slot.data_ptr<uint8_t>(), /*pack=*/false);
   }
-  void scatter(int64_t bucket, at::Tensor slot, Lane) override {
-    scatter_bucket_cpu(plan_, bucket, slot.data_ptr<uint8_t>());
+  void copy_runs(Runs which, int64_t bucket, uintptr_t src_base, uintptr_t dst_base, Lane) override {
+    if (which == Runs::kScatter) {
+      const auto& b = plan_.buckets[bucket];
+      copy_cast_runs_cpu(plan_.scatter.data() + b.first_scatter, b.num_scatter, plan_.boxes, src_base, dst_base);
+    } else {
+      const auto& r = plan_.refit[bucket];
+      copy_cast_runs_cpu(plan_.permute.data() + r.first_permute, r.num_permute, plan_.boxes, src_base, dst_base);
+    }
   }
 
  private:

@@ -14,7 +14,13 @@
 
 namespace coalesced_bcast {
 
-enum class Lane { kComm = 0, kCopy = 1 };
+// kSend: a refit sender's second communication lane (the refit group's
+// broadcasts, beside the trainer group's gathers on kComm).
+enum class Lane { kComm = 0, kCopy = 1, kSend = 2 };
+
+// Which cast-copy runs of the plan (ScatterOp): a load's scatter or a refit's
+// pack (both plan.scatter, per Bucket), a refit sender's permute (plan.permute).
+enum class Runs { kScatter = 0, kPermute = 1 };
 
 class Executor {
  public:
@@ -32,6 +38,8 @@ class Executor {
   // use; `wait` makes the lane wait for the other lane's last signal on it.
   virtual void signal(Lane, int64_t /*slot*/) {}
   virtual void wait(Lane, int64_t /*slot*/) {}
+  // The same with the lane named: `lane` waits for `other`'s last signal on the slot.
+  virtual void wait_for(Lane /*lane*/, Lane /*other*/, int64_t /*slot*/) {}
   // Bytes of device scratch the executor wants next to the ring, and where it
   // got them; the pipeline allocates both at once.
   virtual int64_t table_bytes() const {
@@ -46,8 +54,13 @@ class Executor {
   // load's pack also brings the runs that live in host memory.
   virtual void pack(int64_t bucket, at::Tensor slot) = 0;
   virtual void unpack(int64_t bucket, at::Tensor slot) = 0;
+  // Bucket k's cast-copy runs on `lane`, each reading src_base + bucket_offset
+  // and writing dst_base + dst_ptr.
+  virtual void copy_runs(Runs which, int64_t bucket, uintptr_t src_base, uintptr_t dst_base, Lane lane) = 0;
   // A load's unpack: bucket k into this rank's shards, on `lane`.
-  virtual void scatter(int64_t bucket, at::Tensor slot, Lane lane) = 0;
+  void scatter(int64_t bucket, const at::Tensor& slot, Lane lane) {
+    copy_runs(Runs::kScatter, bucket, reinterpret_cast<uintptr_t>(slot.data_ptr()), 0, lane);
+  }
 };
 
 std::unique_ptr<Executor> make_executor(const Plan& plan);
@@ -60,7 +73,8 @@ bool register_cuda_executor(ExecutorFactory factory);
 // `ops[first, first + count)` between the tensors and a bucket's bytes.
 void copy_runs_cpu(const CopyOp* ops, int64_t count, const std::vector<Layout>& layouts, uint8_t* slot, bool pack);
 void copy_bucket_cpu(const Plan& plan, int64_t bucket, uint8_t* slot, bool pack);
-// A load's unpack on the host: bucket k's scatter runs into this rank's tensors.
-void scatter_bucket_cpu(const Plan& plan, int64_t bucket, const uint8_t* slot);
+// Cast-copy runs on the host (a load's unpack, a refit's pack and permute).
+void copy_cast_runs_cpu(const ScatterOp* ops, int64_t count, const std::vector<Box>& boxes, uintptr_t src_base,
+                        uintptr_t dst_base);
 
 }  // namespace coalesced_bcast

@@ -1,5 +1,6 @@
-// The CUDA executor: communication on one side stream, pack/unpack on another,
-// each ring slot handed between them with a CUDA event. Buffers are never
+// The CUDA executor: communication on one side stream, pack/unpack on another
+// (a refit sender: a third, for the refit group's broadcasts), each ring slot
+// handed between them with CUDA events. Buffers are never
 // recordStream'ed: the caller's stream waits for both side streams before the
 // call returns, so the ring can be freed to the caller's stream at once.
 //
@@ -31,7 +32,8 @@ class CudaExecutor final : public Executor {
         caller_(at::cuda::getCurrentCUDAStream(plan.device.index())),
         comm_(at::cuda::getStreamFromPool(/*isHighPriority=*/false, plan.device.index())),
         copy_(at::cuda::getStreamFromPool(/*isHighPriority=*/false, plan.device.index())),
-        events_(2 * static_cast<size_t>(plan.ring_slots)),
+        send_(plan.is_refit ? at::cuda::getStreamFromPool(/*isHighPriority=*/false, plan.device.index()) : comm_),
+        events_(3 * static_cast<size_t>(plan.ring_slots)),
         offsets_(table_offsets(plan)) {}
 
   void begin() override {
@@ -39,6 +41,7 @@ class CudaExecutor final : public Executor {
     start.record(caller_);
     start.block(comm_);
     start.block(copy_);
+    if (plan_.is_refit) start.block(send_);
   }
 
   void end() override {
@@ -47,6 +50,11 @@ class CudaExecutor final : public Executor {
     copy_done.record(copy_);
     comm_done.block(caller_);
     copy_done.block(caller_);
+    if (plan_.is_refit) {
+      at::cuda::CUDAEvent send_done;
+      send_done.record(send_);
+      send_done.block(caller_);
+    }
     if (host_ring_.defined()) copy_done.synchronize();  // the host copies read the caller's CPU tensors
   }
 
@@ -59,13 +67,17 @@ class CudaExecutor final : public Executor {
   }
 
   void wait(Lane lane, int64_t slot) override {
-    event(lane == Lane::kComm ? Lane::kCopy : Lane::kComm, slot).block(lane_stream(lane));
+    wait_for(lane, lane == Lane::kComm ? Lane::kCopy : Lane::kComm, slot);
+  }
+
+  void wait_for(Lane lane, Lane other, int64_t slot) override {
+    event(other, slot).block(lane_stream(lane));
   }
 
   // The device copy of the plan's tables, one after another: pack runs,
-  // layouts, scatter runs, boxes.
+  // layouts, scatter runs, boxes, a refit's permute runs.
   int64_t table_bytes() const override {
-    return offsets_[4];
+    return offsets_[5];
   }
 
   void set_table(at::Tensor table) override {
@@ -75,6 +87,7 @@ class CudaExecutor final : public Executor {
     std::memcpy(h + offsets_[1], plan_.layouts.data(), plan_.layouts.size() * sizeof(Layout));
     std::memcpy(h + offsets_[2], plan_.scatter.data(), plan_.scatter.size() * sizeof(ScatterOp));
     std::memcpy(h + offsets_[3], plan_.boxes.data(), plan_.boxes.size() * sizeof(Box));
+    std::memcpy(h + offsets_[4], plan_.permute.data(), plan_.permute.size() * sizeof(ScatterOp));
     c10::cuda::CUDAStreamGuard guard(copy_);
     table.copy_(host, /*non_blocking=*/true);
     auto* d = table.data_ptr<uint8_t>();
@@ -82,6 +95,7 @@ class CudaExecutor final : public Executor {
     layouts_ = reinterpret_cast<const Layout*>(d + offsets_[1]);
     scatter_ = reinterpret_cast<const ScatterOp*>(d + offsets_[2]);
     boxes_ = reinterpret_cast<const Box*>(d + offsets_[3]);
+    permute_ = reinterpret_cast<const ScatterOp*>(d + offsets_[4]);
   }
 
   int64_t host_bytes() const override {
@@ -95,11 +109,17 @@ class CudaExecutor final : public Executor {
   void unpack(int64_t bucket, at::Tensor slot) override {
     launch(bucket, slot, /*pack=*/false);
   }
-  void scatter(int64_t bucket, at::Tensor slot, Lane lane) override {
-    TORCH_CHECK(scatter_ != nullptr || plan_.scatter.empty(), "scatter table not uploaded before bucket ", bucket);
-    const auto& b = plan_.buckets.at(bucket);
-    launch_scatter_bucket(slot.data_ptr<uint8_t>(), scatter_ + b.first_scatter, b.num_scatter, b.scatter_chunks,
-                          boxes_, lane_stream(lane).stream());
+  void copy_runs(Runs which, int64_t bucket, uintptr_t src_base, uintptr_t dst_base, Lane lane) override {
+    TORCH_CHECK(scatter_ != nullptr, "cast-copy tables not uploaded before bucket ", bucket);
+    if (which == Runs::kScatter) {
+      const auto& b = plan_.buckets.at(bucket);
+      launch_scatter_bucket(src_base, dst_base, scatter_ + b.first_scatter, b.num_scatter, b.scatter_chunks, boxes_,
+                            lane_stream(lane).stream());
+    } else {
+      const auto& r = plan_.refit.at(bucket);
+      launch_scatter_bucket(src_base, dst_base, permute_ + r.first_permute, r.num_permute, r.permute_chunks, boxes_,
+                            lane_stream(lane).stream());
+    }
   }
 
  private:
@@ -109,7 +129,8 @@ class CudaExecutor final : public Executor {
   static std::vector<int64_t> table_offsets(const Plan& plan) {
     std::vector<int64_t> o{0};
     for (int64_t bytes : {plan.ops.size() * sizeof(CopyOp), plan.layouts.size() * sizeof(Layout),
-                          plan.scatter.size() * sizeof(ScatterOp), plan.boxes.size() * sizeof(Box)}) {
+                          plan.scatter.size() * sizeof(ScatterOp), plan.boxes.size() * sizeof(Box),
+                          plan.permute.size() * sizeof(ScatterOp)}) {
       o.push_back(align_up(o.back() + bytes, kAlign));
     }
     return o;
@@ -170,7 +191,7 @@ class CudaExecutor final : public Executor {
     host_used_[s] = true;
   }
   at::cuda::CUDAStream& lane_stream(Lane lane) {
-    return lane == Lane::kComm ? comm_ : copy_;
+    return lane == Lane::kComm ? comm_ : lane == Lane::kCopy ? copy_ : send_;
   }
   at::cuda::CUDAEvent& event(Lane lane, int64_t slot) {
     return events_.at(static_cast<size_t>(lane) * plan_.ring_slots + slot);
@@ -184,13 +205,14 @@ class CudaExecutor final : public Executor {
   }
 
   const Plan& plan_;
-  at::cuda::CUDAStream caller_, comm_, copy_;
+  at::cuda::CUDAStream caller_, comm_, copy_, send_;
   std::vector<at::cuda::CUDAEvent> events_;
   std::vector<int64_t> offsets_;
   const CopyOp* ops_ = nullptr;
   const Layout* layouts_ = nullptr;
   const ScatterOp* scatter_ = nullptr;
   const Box* boxes_ = nullptr;
+  const ScatterOp* permute_ = nullptr;
   // The host stage (a load's source with tensors in host memory).
   at::Tensor host_ring_;
   std::vector<at::cuda::CUDAEvent> host_free_;

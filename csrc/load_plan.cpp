@@ -11,55 +11,10 @@
 
 #include "cast.h"
 #include "plan.h"
+#include "units.h"
 
 namespace coalesced_bcast {
 namespace {
-
-struct Unit {
-  c10::ScalarType dtype;
-  int64_t ndim;
-  int64_t sizes[kMaxDims];
-  int64_t numel;
-  int64_t elem_size;
-  int64_t offset;  // in the byte stream
-  int64_t nbytes;
-};
-
-std::string sizes_str(const Unit& u) {
-  std::ostringstream s;
-  s << "[";
-  for (int64_t d = 0; d < u.ndim; ++d) s << (d ? ", " : "") << u.sizes[d];
-  s << "]";
-  return s.str();
-}
-
-std::vector<Unit> read_units(const at::Tensor& units) {
-  TORCH_CHECK_VALUE(
-      units.scalar_type() == at::kLong && units.is_cpu() && units.dim() == 2 && units.size(1) == 2 + kMaxDims,
-      "units must be a cpu int64 tensor of shape [n, ", 2 + kMaxDims, "], got ", units.toString());
-  const auto u = units.contiguous();
-  const auto* p = u.data_ptr<int64_t>();
-  std::vector<Unit> out(u.size(0));
-  int64_t offset = 0;
-  for (auto& x : out) {
-    x.dtype = static_cast<c10::ScalarType>(p[0]);
-    x.ndim = p[1];
-    TORCH_CHECK_VALUE(x.ndim >= 0 && x.ndim <= kMaxDims, "a checkpoint tensor has ", x.ndim, " dims; at most ",
-                      kMaxDims, " are supported");
-    x.numel = 1;
-    for (int64_t d = 0; d < kMaxDims; ++d) {
-      x.sizes[d] = d < x.ndim ? p[2 + d] : 1;
-      x.numel *= x.sizes[d];
-    }
-    x.elem_size = static_cast<int64_t>(c10::elementSize(x.dtype));
-    x.nbytes = x.numel * x.elem_size;
-    // Every tensor starts on a 16-byte boundary: packed runs are whole words.
-    x.offset = x.nbytes > 0 ? align_up(offset, kAlign) : offset;
-    offset = x.offset + x.nbytes;
-    p += 2 + kMaxDims;
-  }
-  return out;
-}
 
 // The runs that pack unit `u` of the source (its tensor `t`), cut at bucket boundaries.
 void add_pack_runs(Plan& plan, const Unit& u, const at::Tensor& t, int64_t index, std::vector<int32_t>& run_bucket,
@@ -118,11 +73,11 @@ Plan make_load_plan(
   plan.options.ring_depth = options.ring_depth;
   plan.options.rank = options.rank;
   plan.options.copy_threads = std::max<int64_t>(1, options.copy_threads);
-  const auto units = read_units(units_table);
+  const auto units = read_units(units_table, options.whole_units ? options.bucket_bytes : 0);
+  const auto sizes = bucket_sizes(units, options.bucket_bytes);
   const int64_t B = options.bucket_bytes;
-  const int64_t total = units.empty() ? 0 : units.back().offset + units.back().nbytes;
-  const int64_t num_buckets = (total + B - 1) / B;
-  for (const auto& u : units) plan.total_bytes += u.nbytes;  // the checkpoint's bytes: `total` has padding too
+  const auto num_buckets = static_cast<int64_t>(sizes.size());
+  for (const auto& u : units) plan.total_bytes += u.nbytes;  // the checkpoint's bytes (the stream has padding too)
   plan.packed_bytes = plan.total_bytes;
 
   // Pack runs (the source), in stream order: sorted by bucket, then offset.
@@ -217,7 +172,7 @@ Plan make_load_plan(
   std::stable_sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.bucket < b.bucket; });
 
   plan.buckets.resize(num_buckets);
-  for (int64_t k = 0; k < num_buckets; ++k) plan.buckets[k].nbytes = std::min(B, total - k * B);
+  for (int64_t k = 0; k < num_buckets; ++k) plan.buckets[k].nbytes = sizes[k];
   auto fill = [&](const std::vector<int32_t>& owner, bool host, int64_t Bucket::*first, int64_t Bucket::*count) {
     int64_t index = 0;
     for (size_t r = 0; r < owner.size(); ++r) {
@@ -242,8 +197,9 @@ Plan make_load_plan(
   }
   plan.inputs = std::move(sources);
   plan.dests = std::move(dests);
+  plan.dest_keys = keys_of(plan.dests);
   plan.ring_slots = std::min(options.ring_depth, num_buckets);
-  plan.slot_bytes = num_buckets == 0 ? 0 : (num_buckets == 1 ? align_up(total, kAlign) : B);
+  plan.slot_bytes = num_buckets == 0 ? 0 : (num_buckets == 1 ? align_up(sizes[0], kAlign) : B);
   validate_load_table(plan);
   return plan;
 }

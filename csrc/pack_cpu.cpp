@@ -1,6 +1,7 @@
 // pack/unpack on the host: the same copy table the CUDA kernel reads, walked
 // with memcpy for contiguous runs and an odometer for strided ones; a load's
-// scatter runs element by element where it writes a shard's box.
+// cast-copy runs (a load's scatter, a refit's pack) element by element where
+// they write a shard's box.
 #include <ATen/ATen.h>
 
 #include <cstring>
@@ -61,13 +62,13 @@ void copy_bucket_cpu(const Plan& plan, int64_t bucket, uint8_t* slot, bool pack)
   copy_runs_cpu(plan.ops.data() + b.first_op, b.num_ops, plan.layouts, slot, pack);
 }
 
-void scatter_bucket_cpu(const Plan& plan, int64_t bucket, const uint8_t* slot) {
-  const auto& b = plan.buckets[bucket];
+void copy_cast_runs_cpu(const ScatterOp* ops, int64_t count, const std::vector<Box>& boxes, uintptr_t src_base,
+                        uintptr_t dst_base) {
   at::Tensor converted;
-  for (int64_t i = b.first_scatter; i < b.first_scatter + b.num_scatter; ++i) {
-    const auto& op = plan.scatter[i];
-    const uint8_t* src = slot + op.bucket_offset;
-    auto* dst = reinterpret_cast<uint8_t*>(op.dst_ptr);
+  for (int64_t i = 0; i < count; ++i) {
+    const auto& op = ops[i];
+    const auto* src = reinterpret_cast<const uint8_t*>(src_base + op.bucket_offset);
+    auto* dst = reinterpret_cast<uint8_t*>(dst_base + op.dst_ptr);
     const int64_t ds = op.dst_size;
     if (op.src_type != op.dst_type) {
       // Casts go through torch's own CPU copy, so that they give what load_state_dict's copy_ gives
@@ -85,7 +86,7 @@ void scatter_bucket_cpu(const Plan& plan, int64_t bucket, const uint8_t* slot) {
     }
     for (int64_t j = 0; j < op.count; ++j) {
       int64_t off = 0;
-      if (box_offset(plan.boxes[op.box], op.first + j, &off)) std::memcpy(dst + off * ds, src + j * ds, ds);
+      if (box_offset(boxes[op.box], op.first + j, &off)) std::memcpy(dst + off * ds, src + j * ds, ds);
     }
   }
 }

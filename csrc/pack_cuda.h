@@ -19,10 +19,13 @@ void launch_copy_bucket(
     bool pack,
     cudaStream_t stream);
 
-// One launch writing a load's bucket into this rank's shards: `ops` (device-
-// resident) are the bucket's scatter runs, `chunks` the sum of their chunks.
+// One launch of a bucket's cast copies (ScatterOp runs, device-resident):
+// each reads src_base + bucket_offset and writes dst_base + dst_ptr (a load:
+// the slot and 0; a refit's pack: 0 and its chunk or slot); `chunks` is the
+// sum of the runs' chunks.
 void launch_scatter_bucket(
-    const uint8_t* bucket,
+    uintptr_t src_base,
+    uintptr_t dst_base,
     const ScatterOp* ops,
     int64_t num_ops,
     int64_t chunks,

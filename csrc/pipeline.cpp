@@ -66,7 +66,8 @@ RunStats broadcast_plan(
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     int64_t src,
     std::chrono::milliseconds timeout,
-    const Progress& progress) {
+    const Progress& progress,
+    const BucketHook& hook) {
   const auto t0 = std::chrono::steady_clock::now();
   TORCH_CHECK_VALUE(
       src >= 0 && src < pg->getSize(), "src must be a rank of the group (0..", pg->getSize() - 1, "), got ", src,
@@ -148,39 +149,48 @@ RunStats broadcast_plan(
       std::chrono::duration<double>(progress.every));
   auto next_report = t0 + every;
   int64_t queued = 0;
-  for (int64_t k = 0; k < static_cast<int64_t>(plan.buckets.size()); ++k) {
-    const int64_t s = k % plan.ring_slots;
-    auto slot = arena.narrow(0, s * plan.slot_bytes, plan.buckets[k].nbytes);
-    throttle.before_next("bucket", k, plan.buckets.size());
-    if (is_src) {
-      exec->wait(Lane::kCopy, s);
-      exec->pack(k, slot);
-      exec->signal(Lane::kCopy, s);
-    }
-    {
-      c10::OptionalStreamGuard comm(exec->stream(Lane::kComm));
-      exec->wait(Lane::kComm, s);
-      broadcast(slot);
-      // A load's source writes its own shards too, on the comm lane: on the
-      // copy lane they would hold the next bucket's host copy behind this broadcast.
-      if (is_src && plan.is_load) exec->scatter(k, slot, Lane::kComm);
-      exec->signal(Lane::kComm, s);
-    }
-    if (!is_src) {
-      exec->wait(Lane::kCopy, s);
-      if (plan.is_load) {
-        exec->scatter(k, slot, Lane::kCopy);
-      } else {
-        exec->unpack(k, slot);
+  try {
+    for (int64_t k = 0; k < static_cast<int64_t>(plan.buckets.size()); ++k) {
+      const int64_t s = k % plan.ring_slots;
+      auto slot = arena.narrow(0, s * plan.slot_bytes, plan.buckets[k].nbytes);
+      throttle.before_next("bucket", k, plan.buckets.size());
+      if (is_src) {
+        exec->wait(Lane::kCopy, s);
+        exec->pack(k, slot);
+        exec->signal(Lane::kCopy, s);
       }
-      exec->signal(Lane::kCopy, s);
+      {
+        c10::OptionalStreamGuard comm(exec->stream(Lane::kComm));
+        exec->wait(Lane::kComm, s);
+        broadcast(slot);
+        // A load's source writes its own shards too, on the comm lane: on the
+        // copy lane they would hold the next bucket's host copy behind this broadcast.
+        if (is_src && plan.is_load) exec->scatter(k, slot, Lane::kComm);
+        exec->signal(Lane::kComm, s);
+      }
+      if (!is_src) {
+        exec->wait(Lane::kCopy, s);
+        if (plan.is_load) {
+          exec->scatter(k, slot, Lane::kCopy);
+        } else {
+          exec->unpack(k, slot);
+        }
+        if (hook) {
+          c10::OptionalStreamGuard copy(exec->stream(Lane::kCopy));
+          hook(k, slot);
+        }
+        exec->signal(Lane::kCopy, s);
+      }
+      if (throttle.active()) throttle.after(*exec->stream(is_src ? Lane::kComm : Lane::kCopy));  // its last step's lane
+      queued += plan.buckets[k].nbytes;
+      if (report && std::chrono::steady_clock::now() >= next_report) {
+        progress.report(queued);
+        next_report = std::chrono::steady_clock::now() + every;
+      }
     }
-    if (throttle.active()) throttle.after(*exec->stream(is_src ? Lane::kComm : Lane::kCopy));  // its last step's lane
-    queued += plan.buckets[k].nbytes;
-    if (report && std::chrono::steady_clock::now() >= next_report) {
-      progress.report(queued);
-      next_report = std::chrono::steady_clock::now() + every;
-    }
+  } catch (...) {
+    exec->end();  // the ring goes back to the caller's stream: order it after what was queued
+    throw;
   }
   stats.host_ring_bytes = exec->host_bytes();
   exec->end();

@@ -26,11 +26,31 @@ struct Progress {
   double every = 0;
 };
 
+// Called with each bucket's slot where its bytes are whole, on the lane that
+// reads them next (its stream is current): a receiver after the broadcast, a
+// refit's sender after the permute. What it queues there is done before the
+// slot is reused. A refit's receivers hand the slot to the engine this way.
+using BucketHook = std::function<void(int64_t bucket, const at::Tensor& slot)>;
+
 RunStats broadcast_plan(
     const Plan& plan,
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
     int64_t src,
     std::chrono::milliseconds timeout,
-    const Progress& progress = {});
+    const Progress& progress = {},
+    const BucketHook& hook = {});
+
+// A refit's sending side (make_refit_plan), on every trainer rank: per bucket
+// the trainer ranks' chunks are gathered to the sender over `trainer` (null:
+// a trainer of one rank), which broadcasts the bucket over `refit` from its
+// rank `refit_src` there (null on the other trainer ranks). The receivers run
+// broadcast_plan with the matching load plan.
+RunStats refit_send(
+    const Plan& plan,
+    const c10::intrusive_ptr<c10d::ProcessGroup>& trainer,
+    const c10::intrusive_ptr<c10d::ProcessGroup>& refit,
+    int64_t refit_src,
+    std::chrono::milliseconds timeout,
+    const BucketHook& hook = {});
 
 }  // namespace coalesced_bcast

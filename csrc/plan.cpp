@@ -90,12 +90,25 @@ void check_no_overlap(const Plan& plan) {
   }
 }
 
+}  // namespace
+
 // Layout and storage offset: what a kept plan's copy table depends on besides the address.
 InputKey key_of(const at::Tensor& t, uintptr_t addr) {
   const auto* impl = t.unsafeGetTensorImpl();
   return InputKey{addr, impl->storage().unsafeGetStorageImpl(),
                   hash_mix(layout_hash(*impl), static_cast<uint64_t>(impl->storage_offset()))};
 }
+
+std::vector<InputKey> keys_of(const std::vector<at::Tensor>& tensors) {
+  std::vector<InputKey> out(tensors.size(), InputKey{0, nullptr, 0});
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    if (t.defined()) out[i] = key_of(t, t.numel() > 0 && t.has_storage() ? reinterpret_cast<uintptr_t>(t.data_ptr()) : 0);
+  }
+  return out;
+}
+
+namespace {
 
 // Runs come out in stream order, so they are already sorted by bucket and by
 // offset within it: a bucket closes when the next run starts a later one.
@@ -374,22 +387,30 @@ Plan make_plan(
 }
 
 std::string Plan::check_unchanged() const {
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    const auto& t = inputs[i];
-    const auto& k = keys[i];
-    const auto addr = t.numel() > 0 && t.has_storage() ? reinterpret_cast<uintptr_t>(t.data_ptr()) : 0;
-    const auto now = key_of(t, addr);
-    if (now.addr != k.addr || now.storage != k.storage) {
-      return describe(static_cast<int64_t>(i)) + " was re-allocated since the plan was made (its data moved)";
+  // A sync's or refit's inputs, a refit receiver's destinations: the tensors a kept plan's tables point into.
+  auto check = [&](const std::vector<at::Tensor>& tensors, const std::vector<InputKey>& ks, bool dest) {
+    for (size_t i = 0; i < tensors.size() && i < ks.size(); ++i) {
+      const auto& t = tensors[i];
+      if (!t.defined()) continue;
+      const auto addr = t.numel() > 0 && t.has_storage() ? reinterpret_cast<uintptr_t>(t.data_ptr()) : 0;
+      const auto now = key_of(t, addr);
+      const auto& k = ks[i];
+      const auto who = dest ? "destination " + std::to_string(i) + " on rank " + std::to_string(options.rank)
+                            : describe(static_cast<int64_t>(i));
+      if (now.addr != k.addr || now.storage != k.storage) {
+        return who + " was re-allocated since the plan was made (its data moved)";
+      }
+      if (now.shape_hash != k.shape_hash) {
+        std::ostringstream s;
+        s << who << " changed shape, strides or dtype since the plan was made (now " << t.sizes() << ", strides "
+          << t.strides() << ", " << t.scalar_type() << ")";
+        return s.str();
+      }
     }
-    if (now.shape_hash != k.shape_hash) {
-      std::ostringstream s;
-      s << describe(static_cast<int64_t>(i)) << " changed shape, strides or dtype since the plan was made (now "
-        << t.sizes() << ", strides " << t.strides() << ", " << t.scalar_type() << ")";
-      return s.str();
-    }
-  }
-  return "";
+    return std::string();
+  };
+  auto why = check(inputs, keys, false);
+  return why.empty() ? check(dests, dest_keys, true) : why;
 }
 
 at::Tensor Plan::routes() const {

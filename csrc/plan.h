@@ -60,6 +60,15 @@ struct Bucket {
   int64_t scatter_chunks = 0;
 };
 
+// A refit sender's bucket (make_refit_plan): the trainer ranks' shares of it
+// that are gathered to the sending rank, and how the sender puts them in place.
+struct RefitBucket {
+  int64_t chunk_bytes = 0;  // each trainer rank's chunk (the largest share); 0: nothing gathered
+  int64_t first_permute = 0;  // the sender's runs from the gathered chunks into the slot
+  int64_t num_permute = 0;
+  int64_t permute_chunks = 0;
+};
+
 // What a kept plan checks before each run: the input still points at the
 // same bytes with the same shape, strides and dtype. Values may change (that is
 // what a repeated sync sends), so the version counter is not part of it.
@@ -68,6 +77,11 @@ struct InputKey {
   const void* storage;
   uint64_t shape_hash;  // dtype, sizes, strides, storage offset
 };
+
+// A tensor's key now (`addr`: its first element's address, 0 when empty), and
+// every defined tensor's (an undefined one keeps an all-zero key).
+InputKey key_of(const at::Tensor& t, uintptr_t addr);
+std::vector<InputKey> keys_of(const std::vector<at::Tensor>& tensors);
 
 struct Plan {
   at::Device device{at::kCPU};
@@ -98,9 +112,23 @@ struct Plan {
   bool is_load = false;
   int64_t units_sent = 0;  // checkpoint tensors with bytes
   std::vector<at::Tensor> dests;
+  std::vector<InputKey> dest_keys;  // checked by a kept plan (a refit's receiver)
   std::vector<CopyOp> host_ops;  // the source's runs in host memory, into a device ring
   std::vector<ScatterOp> scatter;
   std::vector<Box> boxes;
+
+  // Refits' senders (make_refit_plan), on every trainer rank: `inputs` are this
+  // rank's local tensors (shards), `scatter` (per Bucket) the runs that pack
+  // them, cast to the wire's dtype, into the slot (the sending rank) or into
+  // this rank's chunk of the gather (the others); `permute` the sending rank's
+  // runs from the gathered chunks into the slot.
+  bool is_refit = false;
+  int64_t trainer_rank = 0;
+  int64_t trainer_world = 1;
+  int64_t sender = 0;  // the sending rank, in the trainer group
+  std::vector<RefitBucket> refit;
+  std::vector<ScatterOp> permute;
+  int64_t chunk_slot_bytes = 0;  // the largest chunk: a gather ring slot holds trainer_world of them
 
   const at::Tensor& tensor(const UniqueTensor& u) const {
     return inputs[u.first_input];
@@ -150,6 +178,7 @@ struct LoadOptions {
   int64_t rank = -1;
   int64_t copy_threads = 1;
   c10::Device device{at::kCPU};  // the model's
+  bool whole_units = false;      // a refit's stream: units that fit in a bucket do not cross one (units.h)
 };
 
 // A load of checkpoint tensors ("units") that one rank holds in full into the
@@ -165,6 +194,26 @@ Plan make_load_plan(
     std::vector<at::Tensor> dests,
     const at::Tensor& dest_meta,
     const LoadOptions& options);
+
+// A refit's sender side on trainer rank `trainer_rank` of `trainer_world`:
+// the same stream of units (the wire's dtype and full shapes) as the
+// receivers' load plan; `locals`: this rank's tensor of each unit (contiguous;
+// undefined where it holds none), `names` theirs (for messages); `modes`: per unit 0 when the sending rank
+// holds it whole, 1 when it is split by rows over the trainer ranks as
+// torch.chunk splits it (a DTensor's Shard(0)).
+Plan make_refit_plan(
+    const at::Tensor& units,
+    std::vector<at::Tensor> locals,
+    const std::vector<int64_t>& modes,
+    std::vector<std::string> names,
+    int64_t trainer_rank,
+    int64_t trainer_world,
+    int64_t sender,
+    const LoadOptions& options);
+
+// The units of each bucket, as the receivers' callbacks get them: int64 [n, 5]
+// of bucket, unit, first element, element count, byte offset in the bucket.
+at::Tensor bucket_units(const at::Tensor& units, int64_t bucket_bytes, bool whole);
 
 // A strided tensor's layout for the copy kernels: size-1 dims dropped and dims
 // contiguous with each other merged, so the index arithmetic touches as few
@@ -182,6 +231,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>>
 // called before anything is launched.
 void validate_copy_table(const Plan& plan);
 void validate_load_table(const Plan& plan);
+void validate_refit_table(const Plan& plan);
 
 // Fingerprint layout: a header, one fixed-size record per unique tensor, then
 // one entry per input.

@@ -1,5 +1,6 @@
-// A load's unpack on the GPU: one launch per bucket writes every scatter run
-// of it into this rank's shards. Runs may start at any element and several may
+// Cast copies on the GPU, one launch per bucket: a load's unpack (bucket ->
+// this rank's shards) and a refit's pack and permute (shards -> chunk or slot,
+// gathered chunks -> slot). Runs may start at any element and several may
 // read the same bytes, so blocks are dealt out over runs (kScatterChunk bucket
 // bytes each, found by binary search on first_chunk), not over the bucket.
 // Same-dtype runs into contiguous memory move 16-byte words; casts and boxed
@@ -19,7 +20,8 @@ namespace {
 constexpr int kThreads = 256;
 
 __global__ void __launch_bounds__(kThreads) scatter_kernel(
-    const uint8_t* __restrict__ bucket,
+    uintptr_t src_base,
+    uintptr_t dst_base,
     const ScatterOp* __restrict__ ops,
     int64_t num_ops,
     const Box* __restrict__ boxes) {
@@ -42,8 +44,8 @@ __global__ void __launch_bounds__(kThreads) scatter_kernel(
   const int64_t ss = op.src_size, ds = op.dst_size;
   const int64_t b0 = (block - op.first_chunk) * kScatterChunk;
   const int64_t b1 = min(b0 + kScatterChunk, op.count * ss);
-  const uint8_t* src = bucket + op.bucket_offset;
-  auto* dst = reinterpret_cast<uint8_t*>(op.dst_ptr);
+  const auto* src = reinterpret_cast<const uint8_t*>(src_base + op.bucket_offset);
+  auto* dst = reinterpret_cast<uint8_t*>(dst_base + op.dst_ptr);
   if (op.box < 0 && op.src_type == op.dst_type) {
     uint8_t* out = dst + op.first * ds;
     for (int64_t pos = b0 + threadIdx.x * kAlign; pos < b1; pos += kThreads * kAlign) {
@@ -65,7 +67,8 @@ __global__ void __launch_bounds__(kThreads) scatter_kernel(
 }  // namespace
 
 void launch_scatter_bucket(
-    const uint8_t* bucket,
+    uintptr_t src_base,
+    uintptr_t dst_base,
     const ScatterOp* ops,
     int64_t num_ops,
     int64_t chunks,
@@ -73,7 +76,7 @@ void launch_scatter_bucket(
     cudaStream_t stream) {
   if (num_ops == 0) return;
   TORCH_CHECK(chunks > 0 && chunks <= INT_MAX, "a bucket of ", num_ops, " scatter runs needs ", chunks, " blocks");
-  scatter_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream>>>(bucket, ops, num_ops, boxes);
+  scatter_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream>>>(src_base, dst_base, ops, num_ops, boxes);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -4,6 +4,7 @@
     stats = coalesced_bcast.sync_module(model, src=0)            # every parameter and buffer
     stats = coalesced_bcast.broadcast_tensors(tensors, src=0)    # any list of tensors
     plan = coalesced_bcast.plan_sync(model, src=0); plan.run()   # the same tensors, again and again
+    coalesced_bcast.RefitSender(model.named_parameters(), group).send()  # a trainer's weights to engines
 """
 from .agree import AgreementError, CollectiveError
 from .sync import (
@@ -20,6 +21,8 @@ from .sync import (
 from . import fsdp
 from .verify import VerifyError, VerifyStats, tensor_hashes, verify_tensors
 from .state_dict import LoadStateDictError, LoadStats, load_full_state_dict
+from .refit import (DEFAULT_REFIT_BUCKET_BYTES, DEFAULT_REFIT_RING_DEPTH, RefitBatch, RefitReceiver, RefitSender,
+                    RefitStats, init_refit_group)
 from .install import PatchedCall, install, installed, is_installed, patched_calls, uninstall
 
 __all__ = [
@@ -48,4 +51,11 @@ __all__ = [
     "LoadStateDictError",
     "LoadStats",
     "load_full_state_dict",
+    "DEFAULT_REFIT_BUCKET_BYTES",
+    "DEFAULT_REFIT_RING_DEPTH",
+    "RefitBatch",
+    "RefitReceiver",
+    "RefitSender",
+    "RefitStats",
+    "init_refit_group",
 ]

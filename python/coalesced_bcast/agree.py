@@ -62,6 +62,12 @@ class CollectiveError(RuntimeError):
     """
 
 
+def process_rank(pg: dist.ProcessGroup) -> int:
+    """This process's rank for messages: the global one, or the group's where there is no default group (a
+    refit group made from a store)."""
+    return dist.get_rank() if dist.is_initialized() else pg.rank()
+
+
 def as_timedelta(timeout: Optional[float | timedelta]) -> Optional[timedelta]:
     if timeout is None or isinstance(timeout, timedelta):
         return timeout
@@ -125,7 +131,7 @@ def wait_event(done: torch.cuda.Event, what: str, pg: dist.ProcessGroup, timeout
         now = time.monotonic()
         if now - t0 > limit:
             raise CollectiveError(
-                f"coalesced_bcast: {what} over {pg.size()} ranks did not finish on rank {dist.get_rank()} within "
+                f"coalesced_bcast: {what} over {pg.size()} ranks did not finish on rank {process_rank(pg)} within "
                 f"{limit:g} s: a rank died, did not call the sync in time, or called another collective. The "
                 f"group is unusable now (torch's NCCL watchdog will end this process).")
         time.sleep(0 if now < spin_until else 0.001)
@@ -153,7 +159,7 @@ def _run(name: str, pg: dist.ProcessGroup, timeout: Optional[timedelta], start) 
     except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
         limit = f"{timeout.total_seconds():g} s" if timeout is not None else "the group's timeout"
         raise CollectiveError(
-            f"coalesced_bcast: {name} over {pg.size()} ranks failed on rank {dist.get_rank()} after "
+            f"coalesced_bcast: {name} over {pg.size()} ranks failed on rank {process_rank(pg)} after "
             f"{time.monotonic() - t0:.1f} s (limit: {limit}): a rank died, did not call the sync in time, or "
             f"called another collective. The group is unusable now. Cause: {e}") from e
 
@@ -171,7 +177,7 @@ def payload_broadcast(plan, pg: dist.ProcessGroup, src: int, timeout: Optional[f
     except RuntimeError as e:
         limit = f"{timeout.total_seconds():g} s" if timeout is not None else "the group's timeout"
         raise CollectiveError(
-            f"coalesced_bcast: the payload broadcast over {pg.size()} ranks failed on rank {dist.get_rank()} after "
+            f"coalesced_bcast: the payload broadcast over {pg.size()} ranks failed on rank {process_rank(pg)} after "
             f"{time.monotonic() - t0:.1f} s (limit: {limit}); if a rank died, stalled or called another collective, "
             f"this is why. Receivers' tensors may be partly written and the group is unusable now. Cause: {e}") from e
 
@@ -214,7 +220,7 @@ def control_device(pg: dist.ProcessGroup) -> torch.device:
     if not torch.cuda.is_available():  # the same on every rank of the group: all raise, none waits
         raise ValueError(
             f"coalesced_bcast: the process group (backend {dist.get_backend(pg)}) has no backend for cpu tensors "
-            f"and this process has no CUDA device to exchange control messages on, on rank {dist.get_rank()}")
+            f"and this process has no CUDA device to exchange control messages on, on rank {process_rank(pg)}")
     return torch.device("cuda", torch.cuda.current_device())
 
 

@@ -1,0 +1,568 @@
+"""Weight refit: a trainer's weights to inference processes in another process group, every step.
+
+The trainer side (:class:`RefitSender`, on every trainer rank) streams the named tensors in the
+engine's dtype, through a ring of buckets, without any rank holding a full tensor: for a DTensor
+sharded by rows (FSDP2's ``Shard(0)``) each bucket's rows are packed and cast on the rank that holds
+them, gathered over the trainer group into the sending rank's ring slot and broadcast over the refit
+group. The engine side (:class:`RefitReceiver`) writes them straight into its tensors, or hands each
+bucket to a callback as ``(name, view)`` pairs while the slot is valid. Both sides keep their plans:
+each refit after the first costs a few small messages (the agreement) and the transfer.
+
+Extra device memory on every process is its ring, whatever the largest tensor: the sender
+``ring_depth`` bucket slots plus as many gather slots (a trainer world's chunks), the other trainer
+ranks ``ring_depth`` chunks, the receivers ``ring_depth`` bucket slots; all of it is returned when a
+call ends.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import pickle
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .agree import (_HEADER, AgreementError, CollectiveError, _gather, _message, _record, as_timedelta, broadcast,
+                    control_device)
+from .state_dict import _CASTABLE, _dtype_code, _int64_table
+from .sync import gc_paused
+from .verify import VerifyError
+
+try:  # DTensor's home since torch 2.5; torch 2.4 had it in a private module
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover
+    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore[no-redef]
+
+logger = logging.getLogger(__name__)
+
+#: Bucket bytes of a refit: larger than a sync's, as a refit moves the whole model every step and a
+#: bucket's broadcast runs closer to the link's speed the larger it is.
+DEFAULT_REFIT_BUCKET_BYTES = 64 << 20
+DEFAULT_REFIT_RING_DEPTH = 3
+
+_OK, _REFUSED = 0, 1
+_FLAG_VERIFY = 1
+_W = 2 + 8  # units table width: dtype, ndim, sizes
+
+
+@dataclass(frozen=True)
+class RefitStats:
+    tensors: int  # tensors in the stream
+    bytes: int  # their bytes, in the wire's dtypes
+    buckets: int
+    ring_bytes: int  # device bytes of this process's ring and tables
+    seconds: float  # wall time of the call on this process
+    agree_seconds: float
+    transfer_seconds: float  # host time of the transfer (CUDA work may still be queued)
+    planned: bool  # this call made (or remade) the plan
+    verified: bool
+
+
+def init_refit_group(host: Optional[str], port: int, rank: int, world_size: int, *,
+                     device: Union[str, torch.device] = "cuda", timeout: timedelta = timedelta(minutes=10),
+                     name: str = "coalesced_bcast_refit", is_master: Optional[bool] = None,
+                     store: Optional[dist.Store] = None) -> dist.ProcessGroup:
+    """A process group of `world_size` processes met at a TCPStore on host:port, apart from any default group.
+
+    Rank 0 (by convention the trainer's sending rank) hosts the store unless `is_master` says otherwise;
+    or pass a `store` that every process reaches (host and port are then not used).
+    The group has gloo for CPU tensors and, for `device` cuda, NCCL for CUDA tensors; every API of this
+    package takes it. Processes that already share one world can use ``dist.new_group(ranks)`` instead.
+    """
+    device = torch.device(device)
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, rank == 0 if is_master is None else is_master, timeout=timeout)
+    prefix = dist.PrefixStore(f"{name}/", store)
+    pg = dist.ProcessGroup(prefix, rank, world_size)
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", prefix), rank, world_size, timeout)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", prefix), rank, world_size, opts)
+        pg._register_backend(device, dist.ProcessGroup.BackendType.NCCL, nccl)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL if device.type == "cuda"
+                            else dist.ProcessGroup.BackendType.GLOO)
+    pg._set_group_name(name)
+    pg._set_group_desc(name)
+    return pg
+
+
+def _digest(*parts: Any) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        h.update(p if isinstance(p, bytes) else repr(p).encode())
+    return int.from_bytes(h.digest(), "little", signed=True) or 1  # 0 means "no plan"
+
+
+def _verdict(table: torch.Tensor, ranks_label: Callable[[int], str]) -> Optional[str]:
+    """The first refusal in an agreement table, in words, or None."""
+    for r in range(table.shape[0]):
+        status = int(table[r, :8].view(torch.int64)[0])
+        if status != _OK:
+            return f"{ranks_label(r)} refused: {_message(table[r])}"
+    return None
+
+
+def _send_object(obj: Any, pg: dist.ProcessGroup, src: int, device: torch.device,
+                 timeout: Optional[timedelta]) -> Any:
+    """`obj` from group rank `src` to every rank of `pg` (pickled; one length and one payload broadcast)."""
+    is_src = pg.rank() == src
+    blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if is_src else b""
+    n = torch.tensor([len(blob)], dtype=torch.int64, device=device)
+    broadcast(n, src, pg, timeout, "the refit's metadata broadcast")
+    total = int(n.item())
+    data = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device) if is_src
+            else torch.empty(total, dtype=torch.uint8, device=device))
+    broadcast(data, src, pg, timeout, "the refit's metadata broadcast")
+    return obj if is_src else pickle.loads(data.cpu().numpy().tobytes())
+
+
+def _bucket_rows(units: torch.Tensor, bucket_bytes: int) -> tuple[torch.Tensor, list[int]]:
+    """bucket_units' rows and, per bucket, the index of its first row (and one past the end)."""
+    rows = _C.bucket_units(units, bucket_bytes, True)
+    n_buckets = int(rows[-1, 0]) + 1 if rows.shape[0] else 0
+    starts = torch.searchsorted(rows[:, 0].contiguous(), torch.arange(n_buckets + 1)).tolist()
+    return rows, starts
+
+
+class _Hasher:
+    """Per piece (bucket_units' rows) a 64-bit hash of the bytes a bucket's slot holds: what verify compares."""
+
+    def __init__(self, rows: torch.Tensor, starts: list[int], units: torch.Tensor):
+        self.rows, self.starts, self.units = rows, starts, units
+        self.parts: list[torch.Tensor] = []
+
+    def __call__(self, k: int, slot: torch.Tensor) -> None:
+        views = _C.slot_views(slot, self.rows[self.starts[k]:self.starts[k + 1]], self.units)
+        if views:
+            self.parts.append(_C.hash_tensors(views)[:-1])
+
+    def hashes(self) -> torch.Tensor:
+        return torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.int64)
+
+
+class RefitSender:
+    """The trainer side of a refit: every trainer rank makes one and calls :meth:`send` each step.
+
+    named_tensors: the weights, ``(name, tensor)`` pairs (``model.named_parameters()``, a state dict),
+      the same names in the same order on every trainer rank. A tensor is either a DTensor on a 1-D mesh,
+      sharded by rows (``Shard(0)``, as FSDP2 shards) or replicated, or a plain tensor that the sending
+      rank holds whole. Local shards must be contiguous: they are read in place, never copied whole.
+    refit_group: the group joining the sending rank to the engines (see :func:`init_refit_group`), on
+      the sending rank; None on the other trainer ranks.
+    src: the sending rank's rank in the refit group. sender_rank: its rank in the trainer group.
+    trainer_group: the group the shards are gathered over; default the DTensors' mesh group (none when
+      no tensor is sharded).
+    dtype: the wire's dtype (what the engine takes): None keeps each tensor's; a dtype casts every
+      floating-point tensor to it (fp32 master weights to bf16); a callable ``(name, tensor) -> dtype``
+      decides per tensor. Casts happen in the pack kernel, as torch's own ``copy_`` casts.
+    bucket_bytes, ring_depth: the ring (``DEFAULT_REFIT_*``); the receivers follow the sender's bucket size.
+    """
+
+    def __init__(self, named_tensors: Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]],
+                 refit_group: Optional[dist.ProcessGroup], *, src: int = 0, sender_rank: int = 0,
+                 trainer_group: Optional[dist.ProcessGroup] = None,
+                 dtype: Union[None, torch.dtype, Callable[[str, torch.Tensor], torch.dtype]] = None,
+                 bucket_bytes: int = DEFAULT_REFIT_BUCKET_BYTES, ring_depth: int = DEFAULT_REFIT_RING_DEPTH):
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        self.names = [n for n, _ in items]
+        self._tensors = [t for _, t in items]
+        self.refit_group, self.src, self.sender_rank = refit_group, src, sender_rank
+        self._trainer_arg, self._dtype = trainer_group, dtype
+        self.bucket_bytes, self.ring_depth = bucket_bytes, ring_depth
+        self._sends = 0
+        self._build()
+
+    # -- planning ------------------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        self._plan, self._error, self._rows = None, None, None
+        self.trainer_group = self._trainer_arg
+        self.units = torch.zeros((0, _W), dtype=torch.int64)
+        self.digest = 0
+        try:
+            self._plan_local()
+        except (TypeError, ValueError, RuntimeError) as e:
+            self._error = str(e)
+        self._trainer_rank = self.trainer_group.rank() if self.trainer_group is not None else 0
+        self._trainer_world = self.trainer_group.size() if self.trainer_group is not None else 1
+        self._is_sender = self._trainer_rank == self.sender_rank
+
+    def _wire_dtype(self, name: str, t: torch.Tensor) -> torch.dtype:
+        d = self._dtype
+        if d is None:
+            return t.dtype
+        if callable(d) and not isinstance(d, torch.dtype):
+            return d(name, t)
+        return d if t.dtype.is_floating_point else t.dtype
+
+    def _plan_local(self) -> None:
+        rows, locals_, modes = [], [], []
+        mesh_group = None
+        device = None
+        for i, (name, t) in enumerate(zip(self.names, self._tensors)):
+            label = f"tensor {i} ('{name}')"
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{label} is a {type(t).__name__}, not a tensor")
+            mode, local = 0, t
+            if isinstance(t, DTensor):
+                mesh, placements = t.device_mesh, t.placements
+                if mesh.ndim != 1:
+                    raise ValueError(f"{label} is a DTensor on a {mesh.ndim}-D mesh; a refit takes 1-D meshes "
+                                     f"(Shard(0) or Replicate)")
+                p = placements[0]
+                local = t._local_tensor
+                if isinstance(p, Shard) and p.dim == 0:
+                    mode = 1
+                    group = mesh.get_group()
+                    if mesh_group is None:
+                        mesh_group = group
+                    elif group is not mesh_group:
+                        raise ValueError(f"{label} is sharded over another mesh than the tensors before it")
+                elif not isinstance(p, Replicate):
+                    raise ValueError(f"{label} is a DTensor placed {p}; a refit takes Shard(0) or Replicate")
+            wire = self._wire_dtype(name, t)
+            if wire != t.dtype and (wire not in _CASTABLE or t.dtype not in _CASTABLE):
+                raise ValueError(f"{label} is {t.dtype} and cannot be sent as {wire}: only real dtypes and bool "
+                                 f"are cast")
+            if t.dim() > 8:
+                raise ValueError(f"{label} has {t.dim()} dims; at most 8 are supported")
+            if device is None and local.numel() > 0:
+                device = local.device
+            rows.append([_dtype_code(wire), t.dim(), *t.shape, *([0] * (8 - t.dim()))])
+            locals_.append(local)
+            modes.append(mode)
+        if self.trainer_group is None:
+            self.trainer_group = mesh_group
+        elif mesh_group is not None and dist.get_process_group_ranks(mesh_group) != \
+                dist.get_process_group_ranks(self.trainer_group):
+            raise ValueError("the DTensors' mesh group is not the trainer_group given")
+        world = self.trainer_group.size() if self.trainer_group is not None else 1
+        rank = self.trainer_group.rank() if self.trainer_group is not None else 0
+        self.units = _int64_table(rows, _W)
+        self.digest = _digest(self.names, self.units.numpy().tobytes(), self.bucket_bytes)
+        self._trainer_digest = _digest(self.digest, modes, world, self.sender_rank)
+        device = device or torch.device("cpu")
+        # Tensors this rank holds no part of go in as undefined: the plan reads none of them.
+        self._plan = _C.refit_plan(self.units, locals_, modes, rank, world, self.sender_rank, self.bucket_bytes,
+                                   self.ring_depth, rank, device, self.names)
+        self._device = device
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def _trainer_label(self, r: int) -> str:
+        return f"trainer rank {r}"
+
+    def _refit_label(self, r: int) -> str:
+        return f"refit rank {r} (the sender)" if r == self.src else f"refit rank {r}"
+
+    @gc_paused
+    def send(self, *, timeout: Optional[Union[float, timedelta]] = None, verify: bool = False,
+             replan: bool = False) -> RefitStats:
+        """Stream the weights to the refit group's other ranks: every trainer rank calls it.
+
+        Before any byte moves, the trainer ranks and the receivers agree: a tensor that moved or changed
+        shape or dtype since the plan was made (or, with ``replan=True``, a plan the receivers cannot
+        take) raises the same AgreementError on every rank. verify: afterwards, hash what every receiver
+        holds and compare with the sender's bytes (VerifyError on a difference).
+        """
+        t0 = time.perf_counter()
+        timeout = as_timedelta(timeout)
+        planned = False
+        error = self._error
+        if error is None:
+            changed = self._plan.check_unchanged()
+            if changed and replan:
+                self._build()
+                planned, error = True, self._error
+            elif changed:
+                error = f"{changed}; make a new RefitSender or send(replan=True)"
+        planned = planned or self._sends == 0
+        self._sends += 1
+        self._agree(error, timeout, verify)
+        t_agreed = time.perf_counter()
+        hasher = None
+        if verify and self._is_sender:
+            rows, starts = self._bucket_rows()
+            hasher = _Hasher(rows, starts, self.units)
+        try:
+            seconds, ring = self._plan.refit_send(self.trainer_group, self.refit_group if self._is_sender else None,
+                                                  self.src, timeout.total_seconds() if timeout else 0.0, hasher)
+        except RuntimeError as e:
+            raise CollectiveError(f"coalesced_bcast: the refit transfer failed on trainer rank {self._trainer_rank}: "
+                                  f"{e}") from e
+        if verify:
+            self._verify(hasher, timeout)
+        stats = RefitStats(tensors=len(self.names), bytes=self._plan.total_bytes, buckets=self._plan.num_buckets,
+                           ring_bytes=ring, seconds=time.perf_counter() - t0, agree_seconds=t_agreed - t0,
+                           transfer_seconds=seconds, planned=planned, verified=verify)
+        if self._is_sender:
+            logger.info("coalesced_bcast: refit sent %d tensors (%.3f GiB, %d buckets) in %.3f s", stats.tensors,
+                        stats.bytes / 2**30, stats.buckets, stats.seconds)
+        return stats
+
+    def _bucket_rows(self):
+        if self._rows is None:
+            self._rows = _bucket_rows(self.units, self.bucket_bytes)
+        return self._rows
+
+    def _agree(self, error: Optional[str], timeout: Optional[timedelta], verify: bool) -> None:
+        """Trainer ranks, then the refit group, then the sender's verdict back to the trainer ranks."""
+        tg = self.trainer_group if self._trainer_world > 1 else None
+        msg = error
+        if tg is not None:
+            ctrl = control_device(tg)
+            rec = _record(_REFUSED if error else _OK, 0, self._trainer_digest if error is None else 0, 0,
+                          error or "")
+            table = _gather(rec, tg, ctrl, timeout)
+            msg = _verdict(table, self._trainer_label)
+            if msg is None:
+                digests = set(table[:, :_HEADER].view(torch.int64)[:, 2].tolist())
+                if len(digests) > 1:
+                    msg = "the trainer ranks hold different tensors (names, shapes, dtypes or sharding differ)"
+        if self._is_sender:
+            msg = self._agree_refit(msg, timeout, verify)
+        msg = self._tell_trainers(msg, timeout, "the refit's verdict broadcast")
+        if msg:
+            raise AgreementError(f"coalesced_bcast refit: nothing was sent. {msg}")
+
+    def _tell_trainers(self, msg: Optional[str], timeout: Optional[timedelta], what: str) -> Optional[str]:
+        """The sender's verdict to every trainer rank, so that all raise the same error (or none does)."""
+        if self._trainer_world == 1:
+            return msg
+        tg = self.trainer_group
+        rec = _record(_REFUSED if msg else _OK, 0, 0, 0, msg or "").to(control_device(tg))
+        broadcast(rec, self.sender_rank, tg, timeout, what)
+        rec = rec.cpu()
+        return _message(rec) if int(rec[:8].view(torch.int64)[0]) != _OK else None
+
+    def _agree_refit(self, msg: Optional[str], timeout: Optional[timedelta], verify: bool) -> Optional[str]:
+        pg = self.refit_group
+        ctrl = control_device(pg)
+        flags = _FLAG_VERIFY if verify else 0
+        rec = _record(_REFUSED if msg else _OK, flags, self.digest, 0, msg or "")
+        table = _gather(rec, pg, ctrl, timeout)
+        if msg:
+            return msg
+        msg = _verdict(table, self._refit_label)
+        if msg:
+            return msg
+        digests = table[:, :_HEADER].view(torch.int64)[:, 2].tolist()
+        if any(d != self.digest for d in digests):  # a receiver without this plan: it gets the metadata
+            _send_object({"names": self.names, "units": self.units, "bucket_bytes": self.bucket_bytes,
+                          "digest": self.digest}, pg, self.src, ctrl, timeout)
+            table = _gather(_record(_OK, flags, self.digest, 0, ""), pg, ctrl, timeout)
+            return _verdict(table, self._refit_label)
+        return None
+
+    def _verify(self, hasher: Optional[_Hasher], timeout: Optional[timedelta]) -> None:
+        msg = None
+        if self._is_sender:
+            pg = self.refit_group
+            ctrl = control_device(pg)
+            hashes = hasher.hashes().to(ctrl)
+            broadcast(hashes, self.src, pg, timeout, "the refit's verify broadcast")
+            table = _gather(_record(_OK, 0, 0, 0, ""), pg, ctrl, timeout)
+            msg = _verdict(table, self._refit_label)
+        msg = self._tell_trainers(msg, timeout, "the refit's verify verdict")
+        if msg:
+            raise VerifyError(f"coalesced_bcast refit: {msg}")
+
+
+
+class RefitBatch(list):
+    """One bucket's weights, as ``(name, tensor)`` pairs of views into the ring slot: valid only during the
+    callback (copy what you keep). A tensor larger than a bucket comes in pieces instead, listed in
+    ``pieces`` as ``(name, flat_view, first_element, full_shape)``, in order, one or more per bucket."""
+
+    def __init__(self, pairs: list, pieces: list):
+        super().__init__(pairs)
+        self.pieces = pieces
+
+
+class RefitReceiver:
+    """The engine side of a refit: make one per process and call :meth:`receive` each step.
+
+    refit_group, src: the refit group and the sender's rank in it.
+    tensors: where the weights go, by name (whole tensors of the full shapes, any dtype the engine's
+      cast can reach); or on_weights: a callable taking a :class:`RefitBatch` per bucket, on the
+      receiving side's copy stream, for an engine's own ``load_weights`` (fuse, shard, cast).
+    name_map: the sender's name -> this side's name (a callable or a mapping); None (or a name that maps
+      to None) keeps the sender's name. With `tensors`, every sent name must find a tensor unless it
+      maps to None (then it is not written).
+    """
+
+    def __init__(self, refit_group: dist.ProcessGroup, *, src: int = 0,
+                 tensors: Optional[Mapping[str, torch.Tensor]] = None,
+                 on_weights: Optional[Callable[[RefitBatch], None]] = None,
+                 name_map: Union[None, Mapping[str, Optional[str]], Callable[[str], Optional[str]]] = None,
+                 ring_depth: int = DEFAULT_REFIT_RING_DEPTH, device: Optional[torch.device] = None):
+        if (tensors is None) == (on_weights is None):
+            raise ValueError("RefitReceiver takes tensors (written in place) or on_weights (a callback), one of them")
+        self.refit_group, self.src = refit_group, src
+        self._tensors, self._on_weights, self._name_map = tensors, on_weights, name_map
+        self.ring_depth = ring_depth
+        if device is None:
+            first = next(iter(tensors.values()), None) if tensors else None
+            device = first.device if first is not None else (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available() and "cuda" in {d.type for d in getattr(refit_group, "_device_types", [])}
+                else torch.device("cpu"))
+        self.device = torch.device(device)
+        self.digest = 0
+        self._plan = None
+        self._meta: Optional[dict] = None
+
+    def _map(self, name: str) -> Optional[str]:
+        m = self._name_map
+        if m is None:
+            return name
+        return m(name) if callable(m) else m.get(name, name)
+
+    def _label(self, r: int) -> str:
+        return f"refit rank {r} (the sender)" if r == self.src else f"refit rank {r}"
+
+    def _make_plan(self, meta: dict) -> Optional[str]:
+        """This side's load plan for the sender's stream, or why it cannot take it."""
+        names, units, bucket_bytes = meta["names"], meta["units"], meta["bucket_bytes"]
+        rank = self.refit_group.rank()
+        dests, dest_rows = [], []
+        try:
+            if self._tensors is not None:
+                for i, name in enumerate(names):
+                    key = self._map(name)
+                    if key is None:
+                        continue
+                    t = self._tensors.get(key)
+                    shape = tuple(units[i, 2:2 + int(units[i, 1])].tolist())
+                    if t is None:
+                        return f"'{name}' (as '{key}') has no tensor on refit rank {rank}"
+                    if tuple(t.shape) != shape:
+                        return (f"'{name}' (as '{key}') is {list(shape)} on the sender but {list(t.shape)} on refit "
+                                f"rank {rank}")
+                    dests.append(t.detach() if t.requires_grad else t)
+                    dest_rows.append([i] + [0] * 8)
+            self._plan = _C.load_plan(units, [], dests, _int64_table(dest_rows, 9), bucket_bytes, self.ring_depth,
+                                      rank, 1, self.device, whole_units=True)
+        except (TypeError, ValueError, RuntimeError) as e:
+            return str(e)
+        self._meta = meta
+        self._rows = _bucket_rows(units, bucket_bytes)
+        rows, starts = self._rows
+        self._views = None
+        if self._on_weights is not None:
+            per_bucket = []
+            r = rows.tolist()
+            numel = [int(torch.tensor(units[i, 2:2 + int(units[i, 1])].tolist() or [1]).prod()) for i in
+                     range(units.shape[0])]
+            for k in range(len(starts) - 1):
+                part = r[starts[k]:starts[k + 1]]
+                per_bucket.append([(names[u], first, count, first == 0 and count == numel[u],
+                                    tuple(units[u, 2:2 + int(units[u, 1])].tolist())) for _, u, first, count, _ in part])
+            self._views = per_bucket
+        self.digest = meta["digest"]
+        return None
+
+    def _hook(self, hasher: Optional[_Hasher]):
+        if self._on_weights is None and hasher is None:
+            return None
+        rows, starts = self._rows
+        units = self._meta["units"]
+
+        def hook(k: int, slot: torch.Tensor) -> None:
+            if hasher is not None:
+                hasher(k, slot)
+            if self._on_weights is not None:
+                views = _C.slot_views(slot, rows[starts[k]:starts[k + 1]], units)
+                pairs, pieces = [], []
+                for (name, first, _count, whole, shape), v in zip(self._views[k], views):
+                    if whole:
+                        pairs.append((name, v))
+                    else:
+                        pieces.append((name, v, first, shape))
+                self._on_weights(RefitBatch(pairs, pieces))
+        return hook
+
+    @gc_paused
+    def receive(self, *, timeout: Optional[Union[float, timedelta]] = None) -> RefitStats:
+        """Take one refit from the sender: every receiver calls it while the trainer calls send()."""
+        t0 = time.perf_counter()
+        timeout = as_timedelta(timeout)
+        pg = self.refit_group
+        ctrl = control_device(pg)
+        planned = False
+        error = self._plan.check_unchanged() if self._plan is not None else ""
+        if error:
+            error = f"{error}; make a new RefitReceiver"
+        table = _gather(_record(_REFUSED if error else _OK, 0, self.digest, 0, error or ""), pg, ctrl, timeout)
+        sender_digest = int(table[self.src, :_HEADER].view(torch.int64)[2])
+        flags = int(table[self.src, :_HEADER].view(torch.int64)[1])
+        msg = _verdict(table, self._label)
+        if msg is None:
+            digests = table[:, :_HEADER].view(torch.int64)[:, 2].tolist()
+            if any(d != sender_digest for d in digests):
+                meta = _send_object(None, pg, self.src, ctrl, timeout)
+                rebuild = self.digest != sender_digest
+                problem = self._make_plan(meta) if rebuild else None
+                planned = rebuild and problem is None
+                table = _gather(_record(_REFUSED if problem else _OK, 0, self.digest, 0, problem or ""), pg, ctrl,
+                                timeout)
+                msg = _verdict(table, self._label)
+        if msg:
+            raise AgreementError(f"coalesced_bcast refit: nothing was sent. {msg}")
+        t_agreed = time.perf_counter()
+        verify = bool(flags & _FLAG_VERIFY)
+        hasher = _Hasher(*self._rows, self._meta["units"]) if verify else None
+        try:
+            seconds, ring, _ = self._plan.broadcast(pg, self.src, timeout.total_seconds() if timeout else 0.0,
+                                                    None, 0.0, self._hook(hasher))
+        except RuntimeError as e:
+            raise CollectiveError(f"coalesced_bcast: the refit transfer failed on refit rank {pg.rank()}: {e}") from e
+        if verify:
+            self._verify(hasher, ctrl, timeout)
+        return RefitStats(tensors=len(self._meta["names"]), bytes=self._plan.total_bytes,
+                          buckets=self._plan.num_buckets, ring_bytes=ring, seconds=time.perf_counter() - t0,
+                          agree_seconds=t_agreed - t0, transfer_seconds=seconds, planned=planned, verified=verify)
+
+    def _dest_hashes(self, hashes: torch.Tensor) -> torch.Tensor:
+        """In place, a row's hash is of the destination's own elements where it holds the wire's dtype (what the
+        engine reads), else of the bytes the slot held (a cast's result is not the sender's bytes)."""
+        rows, _ = self._rows
+        units = self._meta["units"]
+        names = self._meta["names"]
+        views, where = [], []
+        for j, (_, u, first, count, _) in enumerate(rows.tolist()):
+            key = self._map(names[u])
+            t = self._tensors.get(key) if key is not None else None
+            if t is not None and _dtype_code(t.dtype) == int(units[u, 0]):
+                views.append(t.detach().reshape(-1)[first:first + count])
+                where.append(j)
+        if views:
+            hashes = hashes.clone()
+            hashes[torch.tensor(where, device=hashes.device)] = _C.hash_tensors(views)[:-1].to(hashes.device)
+        return hashes
+
+    def _verify(self, hasher: _Hasher, ctrl: torch.device, timeout: Optional[timedelta]) -> None:
+        pg = self.refit_group
+        mine = hasher.hashes()
+        if self._tensors is not None:
+            mine = self._dest_hashes(mine)
+        theirs = torch.empty_like(mine, device=ctrl)
+        broadcast(theirs, self.src, pg, timeout, "the refit's verify broadcast")
+        diff = (mine.to(ctrl) != theirs).nonzero()
+        problem = ""
+        if diff.numel():
+            rows, _ = self._rows
+            _, u, first, count, _ = rows[int(diff[0, 0])].tolist()
+            problem = (f"'{self._meta['names'][u]}' (elements {first}..{first + count}) differs from the sender's "
+                       f"on refit rank {pg.rank()}")
+        table = _gather(_record(_REFUSED if problem else _OK, 0, 0, 0, problem), pg, ctrl, timeout)
+        msg = _verdict(table, self._label)
+        if msg:
+            raise VerifyError(f"coalesced_bcast refit: {msg}")

@@ -1,0 +1,299 @@
+"""Weight refit over gloo: a trainer of 2 ranks (row-sharded DTensors) streams to an engine process in its
+own group, every step: bitwise in the engine's dtype, in place or through a callback into fused
+parameters with a name mapping, plans kept across steps, and a structure change refused on every rank."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import coalesced_bcast
+from coalesced_bcast import AgreementError, RefitReceiver, RefitSender, init_refit_group
+from dist_utils import run_ranks
+from zoo import fill_random_bytes, same_bits
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # torch 2.4
+    from torch.distributed._tensor import DTensor, Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+
+TRAINER, ENGINE = (0, 1), 2
+H, KV, FF, VOCAB = 16, 8, 24, 300  # lm_head: 300 x 16 bf16 = 9600 bytes, over two 4 KiB buckets
+
+
+def _full_state(step: int) -> dict[str, torch.Tensor]:
+    """The trainer's fp32 weights at `step` in the Hugging Face layout (random bytes: NaN payloads, -0.0),
+    plus an int64 buffer; the same on every rank."""
+    g = torch.Generator().manual_seed(1000 + step)
+    shapes = {"model.embed_tokens.weight": (37, H)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (H, H), p + "self_attn.k_proj.weight": (KV, H),
+                       p + "self_attn.v_proj.weight": (KV, H), p + "self_attn.o_proj.weight": (H, H),
+                       p + "mlp.gate_proj.weight": (FF, H), p + "mlp.up_proj.weight": (FF, H),
+                       p + "mlp.down_proj.weight": (H, FF), p + "input_layernorm.weight": (H,)})
+    shapes.update({"model.norm.weight": (H,), "lm_head.weight": (VOCAB, H), "model.odd.weight": (5, 3)})
+    state = {}
+    for name, shape in shapes.items():
+        t = torch.empty(shape)
+        fill_random_bytes(t, g)
+        state[name] = t
+    state["model.step"] = torch.tensor([step, -step], dtype=torch.int64)
+    return state
+
+
+def _as_dtensors(state: dict, mesh: DeviceMesh, rank: int) -> dict:
+    """Row shards as FSDP2 holds them (torch.chunk's split: 37 rows -> 19 + 18), the buffer replicated."""
+    out = {}
+    for name, full in state.items():
+        if full.dtype == torch.int64:
+            out[name] = DTensor.from_local(full.clone(), mesh, [Replicate()], run_check=False)
+        else:
+            local = full.chunk(2, dim=0)[rank].clone()
+            out[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape,
+                                           stride=full.stride())
+    return out
+
+
+def _groups(rank: int, stateless: bool):
+    trainer = dist.new_group(list(TRAINER))
+    if not stateless:
+        return trainer, dist.new_group([TRAINER[0], ENGINE])
+    # A refit group of its own, met at a store of its own (the port handed out through the world's store).
+    world_store = dist.distributed_c10d._get_default_store()
+    refit = None
+    if rank == TRAINER[0]:
+        store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+        world_store.set("refit_port", str(store.port))
+        refit = init_refit_group(None, 0, 0, 2, device="cpu", store=store)
+    elif rank == ENGINE:
+        store = dist.TCPStore("127.0.0.1", int(world_store.get("refit_port")), 2, False)
+        refit = init_refit_group(None, 0, 1, 2, device="cpu", store=store)
+    return trainer, refit
+
+
+def _update(dtensors: dict, state: dict, rank: int) -> None:
+    """An optimizer step: new values written into the same shards."""
+    for name, dt in dtensors.items():
+        full = state[name]
+        dt._local_tensor.copy_(full if full.dtype == torch.int64 else full.chunk(2, dim=0)[rank])
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16) if t.is_floating_point() else t
+
+
+def _inplace_body(rank, world_size, stateless):
+    trainer, refit = _groups(rank, stateless)
+    state = _full_state(0)
+    if rank in TRAINER:
+        mesh = DeviceMesh.from_group(trainer, "cpu")
+        dts = _as_dtensors(state, mesh, rank)
+        sender = RefitSender(list(dts.items()), refit if rank == TRAINER[0] else None, dtype=torch.bfloat16,
+                             bucket_bytes=4096, ring_depth=2)
+        for step in range(3):
+            _update(dts, _full_state(step), rank)
+            stats = sender.send(verify=step == 2)
+            assert stats.planned == (step == 0) and stats.verified == (step == 2)
+            assert stats.ring_bytes > 0
+        # A shard re-allocated on trainer rank 1: every rank raises, naming it, and nothing moves.
+        if rank == 1:
+            dts["model.layers.1.mlp.up_proj.weight"]._local_tensor.data = \
+                dts["model.layers.1.mlp.up_proj.weight"]._local_tensor.data.clone()
+        with pytest.raises(AgreementError, match=r"trainer rank 1 refused.*model\.layers\.1\.mlp\.up_proj.*re-allocated"):
+            sender.send()
+        # send(replan=True) on every trainer rank: planned again, and the receiver keeps its plan (same stream)
+        _update(dts, _full_state(7), rank)
+        stats = sender.send(replan=True, verify=True)
+        assert stats.planned == (rank == 1)  # only the rank whose shard moved plans again
+    elif rank == ENGINE:
+        dest = {k: torch.full(v.shape, 3, dtype=_wire(v).dtype) for k, v in state.items()}
+        receiver = RefitReceiver(refit, tensors=dest, ring_depth=2)
+        for step in range(3):
+            stats = receiver.receive()
+            assert stats.planned == (step == 0) and stats.verified == (step == 2)
+            want = _full_state(step)
+            wrong = [k for k, v in dest.items() if not same_bits(v, _wire(want[k]))]
+            assert not wrong, f"step {step}: {wrong}"
+        before = {k: v.clone() for k, v in dest.items()}
+        with pytest.raises(AgreementError, match=r"trainer rank 1 refused.*model\.layers\.1\.mlp\.up_proj.*re-allocated"):
+            receiver.receive()
+        assert all(same_bits(v, before[k]) for k, v in dest.items()), "a refused refit wrote something"
+        stats = receiver.receive()
+        assert not stats.planned and stats.verified
+        want = _full_state(7)
+        assert all(same_bits(v, _wire(want[k])) for k, v in dest.items())
+    dist.barrier()
+
+
+@pytest.mark.parametrize("stateless", [False, True], ids=["new_group", "own_store"])
+def test_refit_inplace_bitwise_kept_plan(stateless):
+    run_ranks(3, _inplace_body, stateless, timeout=180)
+
+
+class _Engine(nn.Module):
+    """Parameters fused the way vLLM fuses them (qkv_proj, gate_up_proj), in bf16, with a load_weights that
+    takes (name, tensor) pairs."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Parameter(torch.zeros(37, H, dtype=torch.bfloat16))
+        self.layers = nn.ModuleList()
+        for _ in range(2):
+            layer = nn.Module()
+            layer.qkv_proj = nn.Parameter(torch.zeros(H + 2 * KV, H, dtype=torch.bfloat16))
+            layer.o_proj = nn.Parameter(torch.zeros(H, H, dtype=torch.bfloat16))
+            layer.gate_up_proj = nn.Parameter(torch.zeros(2 * FF, H, dtype=torch.bfloat16))
+            layer.down_proj = nn.Parameter(torch.zeros(H, FF, dtype=torch.bfloat16))
+            layer.norm = nn.Parameter(torch.zeros(H, dtype=torch.bfloat16))
+            self.layers.append(layer)
+        self.norm = nn.Parameter(torch.zeros(H, dtype=torch.bfloat16))
+        self.lm_head = nn.Parameter(torch.zeros(VOCAB, H, dtype=torch.bfloat16))
+        self.register_buffer("step", torch.zeros(2, dtype=torch.int64))
+
+    # (engine name, rows) per stacked shard: where q, k, v and gate, up go in the fused tensors
+    _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", H), "v_proj": ("qkv_proj", H + KV),
+                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", FF)}
+
+    def target(self, name: str) -> tuple[torch.Tensor, int]:
+        if name.startswith("layers."):
+            i, short = name.split(".")[1], name.split(".")[2]
+            if short in self._STACKED:
+                fused, row = self._STACKED[short]
+                return getattr(self.layers[int(i)], fused), row
+            return getattr(self.layers[int(i)], short), 0
+        return {"embed": self.embed, "norm": self.norm, "lm_head": self.lm_head, "step": self.step}[name], 0
+
+    @torch.no_grad()
+    def load_weights(self, weights) -> None:
+        for name, t in weights:
+            dst, row = self.target(name)
+            dst[row:row + t.shape[0]].copy_(t)
+
+    @torch.no_grad()
+    def load_piece(self, name: str, flat: torch.Tensor, first: int) -> None:
+        dst, row = self.target(name)
+        dst.view(-1)[row * dst.shape[-1] + first:][:flat.numel()].copy_(flat)
+
+
+def _engine_name(name: str):
+    """The sender's Hugging Face names as the engine's, or None for what the engine does not take."""
+    name = name.removeprefix("model.")
+    for a, b in (("embed_tokens.weight", "embed"), ("self_attn.", ""), ("mlp.", ""), (".weight", ""),
+                 ("input_layernorm", "norm")):
+        name = name.replace(a, b)
+    return None if name == "odd" else name
+
+
+def _callback_body(rank, world_size):
+    trainer, refit = _groups(rank, stateless=False)
+    if rank in TRAINER:
+        mesh = DeviceMesh.from_group(trainer, "cpu")
+        dts = _as_dtensors(_full_state(0), mesh, rank)
+        sender = RefitSender(dts, refit if rank == TRAINER[0] else None, dtype=torch.bfloat16, bucket_bytes=4096)
+        for step in range(2):
+            _update(dts, _full_state(step), rank)
+            sender.send(verify=True)
+    elif rank == ENGINE:
+        engine = _Engine()
+        calls, pieces = [], []
+
+        def on_weights(batch):
+            named = [(_engine_name(n), t) for n, t in batch]
+            engine.load_weights([(n, t) for n, t in named if n is not None])
+            for name, flat, first, shape in batch.pieces:
+                assert name == "lm_head.weight" and tuple(shape) == (VOCAB, H) and flat.dim() == 1
+                pieces.append((first, flat.numel()))
+                engine.load_piece(_engine_name(name), flat, first)
+            calls.append(len(batch))
+
+        receiver = RefitReceiver(refit, on_weights=on_weights)
+        for step in range(2):
+            calls.clear()
+            pieces.clear()
+            stats = receiver.receive()
+            assert stats.verified and stats.buckets == len(calls) > 1
+            # lm_head came in pieces that tile it exactly
+            assert sorted(pieces)[0][0] == 0 and sum(n for _, n in pieces) == VOCAB * H
+            want = {k: _wire(v) for k, v in _full_state(step).items()}
+            for i in range(2):
+                p = f"model.layers.{i}."
+                layer = engine.layers[i]
+                qkv = torch.cat([want[p + "self_attn.q_proj.weight"], want[p + "self_attn.k_proj.weight"],
+                                 want[p + "self_attn.v_proj.weight"]])
+                gate_up = torch.cat([want[p + "mlp.gate_proj.weight"], want[p + "mlp.up_proj.weight"]])
+                assert same_bits(layer.qkv_proj.data, qkv) and same_bits(layer.gate_up_proj.data, gate_up)
+                assert same_bits(layer.down_proj.data, want[p + "mlp.down_proj.weight"])
+            assert same_bits(engine.lm_head.data, want["lm_head.weight"])
+            assert same_bits(engine.embed.data, want["model.embed_tokens.weight"])
+            assert same_bits(engine.step, want["model.step"])
+    dist.barrier()
+
+
+def test_refit_callback_fused_engine_with_name_map():
+    run_ranks(3, _callback_body, timeout=180)
+
+
+def _engine_refuses_body(rank, world_size):
+    trainer, refit = _groups(rank, stateless=False)
+    state = _full_state(0)
+    if rank in TRAINER:
+        dts = _as_dtensors(state, DeviceMesh.from_group(trainer, "cpu"), rank)
+        sender = RefitSender(dts, refit if rank == TRAINER[0] else None, bucket_bytes=4096)
+        with pytest.raises(AgreementError, match=r"refit rank 1 refused.*'model\.norm\.weight'.*\[16\].*\[17\]"):
+            sender.send()
+    elif rank == ENGINE:
+        dest = {k: torch.zeros_like(v) for k, v in state.items()}
+        dest["model.norm.weight"] = torch.zeros(17)
+        with pytest.raises(AgreementError, match=r"refit rank 1 refused.*'model\.norm\.weight'.*\[16\].*\[17\]"):
+            RefitReceiver(refit, tensors=dest).receive()
+        assert all(not v.any() for v in dest.values()), "a refused refit wrote something"
+    dist.barrier()
+
+
+def test_refit_engine_shape_mismatch_raises_on_every_rank():
+    run_ranks(3, _engine_refuses_body, timeout=180)
+
+
+def _unsharded_body(rank, world_size):
+    """A trainer of one rank holding plain tensors (no DTensor, no trainer group), to two engines."""
+    refit = dist.new_group([0, 1, 2])
+    state = _full_state(3)
+    if rank == 0:
+        sender = RefitSender(state, refit, bucket_bytes=4096)
+        assert sender.send(verify=True).bytes == sum(v.numel() * v.element_size() for v in state.values())
+    else:
+        dest = {k: torch.zeros_like(v) for k, v in state.items()}
+        RefitReceiver(refit, tensors=dest).receive()
+        assert all(same_bits(v, state[k]) for k, v in dest.items())
+    dist.barrier()
+
+
+def test_refit_unsharded_sender_two_engines():
+    run_ranks(3, _unsharded_body, timeout=120)
+
+
+def test_examples_trainer_and_engine_on_cpu():
+    """examples/refit_trainer.py (torchrun, 2 ranks, FSDP2) and examples/refit_engine.py (its own process,
+    fused parameters) as the README runs them, on the CPU: every refit arrives and the last is verified."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "python"), os.environ.get("PYTHONPATH", "")]))
+    trainer = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                os.path.join(root, "examples", "refit_trainer.py"), "--cpu", "--port", port],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        engine = subprocess.run([sys.executable, os.path.join(root, "examples", "refit_engine.py"), "--device", "cpu",
+                                 "--port", port], env=env, capture_output=True, text=True, timeout=240)
+        out, _ = trainer.communicate(timeout=240)
+    finally:
+        trainer.kill()
+    assert engine.returncode == 0 and trainer.returncode == 0, engine.stderr[-3000:] + out[-3000:]
+    assert "step 2: 34 tensors" in engine.stderr and "verified" in engine.stderr, engine.stderr[-2000:]

@@ -1,0 +1,79 @@
+"""A refit's copy tables without any communication: every trainer rank's pack (its rows, cast to the
+wire's dtype, into its chunk or the slot) and the sender's permute (the gathered chunks into the slot)
+must rebuild exactly the stream the receivers' load plan reads, for uneven row splits, 1-D and 0-dim
+tensors, casts and tensors larger than a bucket. On the CPU and, where there is one, a GPU (the CUDA
+pack kernel's casts must match torch's own CUDA copy_ bit for bit)."""
+import pytest
+import torch
+
+from coalesced_bcast import _C
+from coalesced_bcast.state_dict import _dtype_code
+from zoo import fill_random_bytes, same_bits
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and _C.with_cuda else [])
+
+
+def _state(gen):
+    shapes = [((37, 24), torch.float32), ((5, 3), torch.float32), ((300, 16), torch.float32), ((16,), torch.float32),
+              ((), torch.float32), ((7, 2, 3), torch.int64), ((3,), torch.bool), ((1, 1000), torch.float32),
+              ((0, 4), torch.float32), ((9, 5), torch.float16), ((2, 2049), torch.bfloat16)]
+    out = []
+    for shape, dtype in shapes:
+        t = torch.empty(shape, dtype=dtype)
+        fill_random_bytes(t, gen)
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("world,sender", [(1, 0), (2, 0), (2, 1), (3, 2)])
+def test_packs_and_permutes_rebuild_the_stream(device, world, sender):
+    gen = torch.Generator().manual_seed(world * 10 + sender)
+    full = [t.to(device) for t in _state(gen)]
+    device = full[0].device  # with its index: the plan compares devices exactly
+    wire = [torch.bfloat16 if t.is_floating_point() and t.dtype == torch.float32 else t.dtype for t in full]
+    # 0-dim and bool tensors are held whole by the sender (mode 0); the rest are split by rows.
+    modes = [0 if t.dim() == 0 or t.dtype == torch.bool else 1 for t in full]
+    units = torch.zeros((len(full), 10), dtype=torch.int64)
+    for i, (t, w) in enumerate(zip(full, wire)):
+        units[i, 0], units[i, 1] = _dtype_code(w), t.dim()
+        units[i, 2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    B = 4096
+    plans, held = [], []  # the plans point into the local tensors: keep them
+    for r in range(world):
+        locals_ = [(t.chunk(world, 0)[r] if r < len(t.chunk(world, 0)) else t[:0]).contiguous() if m == 1 and world > 1
+                   else (t if r == sender else torch.Tensor()) for t, m in zip(full, modes)]
+        plans.append(_C.refit_plan(units, locals_, modes, r, world, sender, B, 2, r, device,
+                                   [f"t{i}" for i in range(len(full))]))
+        held.append(locals_)
+    rows = _C.bucket_units(units, B, True)
+    chunk_bytes = _C._refit_chunk_bytes(plans[sender])
+    load = _C.load_plan(units, [], [], torch.zeros((0, 9), dtype=torch.int64), B, 2, 0, 1, device,
+                        whole_units=True)
+    assert plans[sender].num_buckets == load.num_buckets
+    for k in range(plans[sender].num_buckets):
+        cb = chunk_bytes[k]
+        gathered = torch.zeros(world * cb, dtype=torch.uint8, device=device)
+        for r in range(world):
+            if r != sender and cb:
+                _C._refit_copy(plans[r], k, False, gathered, gathered[r * cb:(r + 1) * cb])
+        slot = torch.zeros(plans[sender].slot_bytes, dtype=torch.uint8, device=device)
+        _C._refit_copy(plans[sender], k, False, slot, slot)
+        if world > 1 and cb:
+            _C._refit_copy(plans[sender], k, True, gathered, slot)
+        mine = rows[rows[:, 0] == k]
+        for (_, u, first, count, _), view in zip(mine.tolist(), _C.slot_views(slot, mine, units)):
+            want = full[u].to(wire[u]).reshape(-1)[first:first + count]
+            assert same_bits(view.reshape(-1), want), f"bucket {k}: tensor {u} elements {first}..{first + count}"
+    # Every element of every tensor is in exactly one bucket's rows.
+    counts = [0] * len(full)
+    for _, u, _, c, _ in rows.tolist():
+        counts[u] += c
+    assert counts == [t.numel() for t in full]
+
+
+def test_a_rank_whose_rows_do_not_match_is_refused_naming_the_tensor():
+    units = torch.zeros((1, 10), dtype=torch.int64)
+    units[0, :4] = torch.tensor([_dtype_code(torch.float32), 2, 7, 3])
+    with pytest.raises(ValueError, match=r"tensor 0 \('w'\) on trainer rank 1.*12 elements.*rows \[4, 7\)"):
+        _C.refit_plan(units, [torch.zeros(4, 3)], [1], 1, 2, 0, 4096, 2, 1, torch.device("cpu"), ["w"])
