@@ -106,23 +106,31 @@ def _inplace_body(rank, world_size, stateless):
         _update(dts, _full_state(7), rank)
         stats = sender.send(replan=True, verify=True)
         assert stats.planned == (rank == 1)  # only the rank whose shard moved plans again
+        with pytest.raises(AgreementError, match=r"refit rank 1 refused: tensor 'lm_head.weight' on rank 1 was re-allocated"):
+            sender.send()
     elif rank == ENGINE:
-        dest = {k: torch.full(v.shape, 3, dtype=_wire(v).dtype) for k, v in state.items()}
+        # nn.Parameters that require grad, as an engine's module holds them
+        dest = {k: nn.Parameter(torch.full(v.shape, 3, dtype=_wire(v).dtype), requires_grad=v.is_floating_point())
+                for k, v in state.items()}
         receiver = RefitReceiver(refit, tensors=dest, ring_depth=2)
         for step in range(3):
             stats = receiver.receive()
             assert stats.planned == (step == 0) and stats.verified == (step == 2)
             want = _full_state(step)
-            wrong = [k for k, v in dest.items() if not same_bits(v, _wire(want[k]))]
+            wrong = [k for k, v in dest.items() if not same_bits(v.detach(), _wire(want[k]))]
             assert not wrong, f"step {step}: {wrong}"
-        before = {k: v.clone() for k, v in dest.items()}
+        before = {k: v.detach().clone() for k, v in dest.items()}
         with pytest.raises(AgreementError, match=r"trainer rank 1 refused.*model\.layers\.1\.mlp\.up_proj.*re-allocated"):
             receiver.receive()
-        assert all(same_bits(v, before[k]) for k, v in dest.items()), "a refused refit wrote something"
+        assert all(same_bits(v.detach(), before[k]) for k, v in dest.items()), "a refused refit wrote something"
         stats = receiver.receive()
         assert not stats.planned and stats.verified
         want = _full_state(7)
-        assert all(same_bits(v, _wire(want[k])) for k, v in dest.items())
+        assert all(same_bits(v.detach(), _wire(want[k])) for k, v in dest.items())
+        # A parameter re-allocated on the engine (.data assigned): refused on every rank, naming it.
+        dest["lm_head.weight"].data = dest["lm_head.weight"].data.clone()
+        with pytest.raises(AgreementError, match=r"refit rank 1 refused: tensor 'lm_head.weight' on rank 1 was re-allocated"):
+            receiver.receive()
     dist.barrier()
 
 

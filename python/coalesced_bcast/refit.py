@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import pickle
+import re
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -432,7 +433,7 @@ class RefitReceiver:
         """This side's load plan for the sender's stream, or why it cannot take it."""
         names, units, bucket_bytes = meta["names"], meta["units"], meta["bucket_bytes"]
         rank = self.refit_group.rank()
-        dests, dest_rows = [], []
+        dests, dest_rows, dest_keys = [], [], []
         try:
             if self._tensors is not None:
                 for i, name in enumerate(names):
@@ -446,13 +447,16 @@ class RefitReceiver:
                     if tuple(t.shape) != shape:
                         return (f"'{name}' (as '{key}') is {list(shape)} on the sender but {list(t.shape)} on refit "
                                 f"rank {rank}")
-                    dests.append(t.detach() if t.requires_grad else t)
+                    # The object itself, not a detached view: a kept plan's check must see its storage move.
+                    dests.append(t)
+                    dest_keys.append(key)
                     dest_rows.append([i] + [0] * 8)
             self._plan = _C.load_plan(units, [], dests, _int64_table(dest_rows, 9), bucket_bytes, self.ring_depth,
                                       rank, 1, self.device, whole_units=True)
         except (TypeError, ValueError, RuntimeError) as e:
             return str(e)
         self._meta = meta
+        self._dest_keys = dest_keys
         self._rows = _bucket_rows(units, bucket_bytes)
         rows, starts = self._rows
         self._views = None
@@ -498,7 +502,8 @@ class RefitReceiver:
         ctrl = control_device(pg)
         planned = False
         error = self._plan.check_unchanged() if self._plan is not None else ""
-        if error:
+        if error:  # the core numbers destinations: name them
+            error = re.sub(r"destination (\d+)", lambda m: f"tensor '{self._dest_keys[int(m.group(1))]}'", error)
             error = f"{error}; make a new RefitReceiver"
         table = _gather(_record(_REFUSED if error else _OK, 0, self.digest, 0, error or ""), pg, ctrl, timeout)
         sender_digest = int(table[self.src, :_HEADER].view(torch.int64)[2])
