@@ -305,3 +305,24 @@ def test_examples_trainer_and_engine_on_cpu():
         trainer.kill()
     assert engine.returncode == 0 and trainer.returncode == 0, engine.stderr[-3000:] + out[-3000:]
     assert "step 2: 34 tensors" in engine.stderr and "verified" in engine.stderr, engine.stderr[-2000:]
+
+
+def _trainer_refuses_body(rank, world_size):
+    """Trainer rank 1 holds something that is not a tensor under one name: every rank raises, naming it."""
+    trainer, refit = _groups(rank, stateless=False)
+    state = _full_state(0)
+    pattern = r"trainer rank 1 refused: tensor 3 \('model\.layers\.0\.self_attn\.v_proj\.weight'\) is a list"
+    if rank in TRAINER:
+        items = list(_as_dtensors(state, DeviceMesh.from_group(trainer, "cpu"), rank).items())
+        if rank == 1:
+            items[3] = (items[3][0], [1.0, 2.0])
+        with pytest.raises(AgreementError, match=pattern):
+            RefitSender(items, refit if rank == TRAINER[0] else None, bucket_bytes=4096).send()
+    elif rank == ENGINE:
+        with pytest.raises(AgreementError, match=pattern):
+            RefitReceiver(refit, tensors={k: torch.zeros_like(v) for k, v in state.items()}).receive()
+    dist.barrier()
+
+
+def test_refit_trainer_rank_refusal_raises_on_every_rank():
+    run_ranks(3, _trainer_refuses_body, timeout=120)

@@ -184,7 +184,10 @@ class RefitSender:
 
     def _build(self) -> None:
         self._plan, self._error, self._rows = None, None, None
-        self.trainer_group = self._trainer_arg
+        # The trainer group first, whatever else fails: every trainer rank must take part in the agreement.
+        self.trainer_group = self._trainer_arg or next(
+            (t.device_mesh.get_group() for t in self._tensors if isinstance(t, DTensor) and t.device_mesh.ndim == 1
+             and any(isinstance(p, Shard) for p in t.placements)), None)
         self.units = torch.zeros((0, _W), dtype=torch.int64)
         self.digest = 0
         try:
@@ -239,10 +242,8 @@ class RefitSender:
             rows.append([_dtype_code(wire), t.dim(), *t.shape, *([0] * (8 - t.dim()))])
             locals_.append(local)
             modes.append(mode)
-        if self.trainer_group is None:
-            self.trainer_group = mesh_group
-        elif mesh_group is not None and dist.get_process_group_ranks(mesh_group) != \
-                dist.get_process_group_ranks(self.trainer_group):
+        if mesh_group is not None and mesh_group is not self.trainer_group and \
+                dist.get_process_group_ranks(mesh_group) != dist.get_process_group_ranks(self.trainer_group):
             raise ValueError("the DTensors' mesh group is not the trainer_group given")
         world = self.trainer_group.size() if self.trainer_group is not None else 1
         rank = self.trainer_group.rank() if self.trainer_group is not None else 0
