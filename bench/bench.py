@@ -212,6 +212,17 @@ def kept_plan():
     return run
 
 
+def comm_priority_normal(fn):
+    """fn with the communication lanes at normal stream priority (the executor's A/B switch)."""
+    def run(ts):
+        os.environ["COALESCED_BCAST_COMM_PRIORITY"] = "normal"
+        try:
+            return fn(ts)
+        finally:
+            del os.environ["COALESCED_BCAST_COMM_PRIORITY"]
+    return run
+
+
 def methods(on_gpu: bool, case: str) -> dict:
     ours = lambda **kw: (lambda ts: coalesced_bcast.broadcast_tensors(ts, 0, **kw))  # noqa: E731
     m = {
@@ -220,6 +231,8 @@ def methods(on_gpu: bool, case: str) -> dict:
         "coalesced_bcast": ours(),
         "coalesced_bcast[kept plan]": kept_plan(),
     }
+    if on_gpu:
+        m["coalesced_bcast[kept plan, comm priority normal]"] = comm_priority_normal(kept_plan())
     if on_gpu:
         m["legacy_record_stream"] = legacy_record_stream
     if case.startswith("scale"):

@@ -168,6 +168,11 @@ class Bench:
             self.measure("coalesced_bcast first (plans)", step, bucket_MiB=bucket_mib)
             for rep in range(a.reps):
                 self.measure("coalesced_bcast", step, bucket_MiB=bucket_mib, rep=rep)
+            if bucket_mib == a.buckets[0] and not self.cpu:  # A/B: the comm lanes at normal stream priority
+                os.environ["COALESCED_BCAST_COMM_PRIORITY"] = "normal"
+                for rep in range(a.reps):
+                    self.measure("coalesced_bcast comm priority normal", step, bucket_MiB=bucket_mib, rep=rep)
+                del os.environ["COALESCED_BCAST_COMM_PRIORITY"]
             wrong = self.check_engine(dests) if dests is not None else 0
             self.emit(what="bitwise check", bucket_MiB=bucket_mib, wrong=wrong)
             if bucket_mib == a.buckets[0]:
@@ -312,6 +317,7 @@ class Bench:
         unsharded = slowest("coalesced_bcast unsharded")
         gbytes = next(r["gbytes"] for r in allrows if r.get("what") == "state")
         out = dict(what="summary", gbytes=gbytes, ours_sec={str(b): s for b, s in ours.items()},
+                   ours_priority_normal_sec=slowest("coalesced_bcast comm priority normal", bucket_MiB=b0),
                    per_tensor_sec=per_tensor, packed_sec=packed, flat_sec=flat, unsharded_sec=unsharded)
         best = min(s for s in ours.values() if s)
         out.update(ours_GBps=gbytes / best, speedup_vs_packed=packed / best, speedup_vs_per_tensor=per_tensor / best,

@@ -14,7 +14,9 @@
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cstdlib>
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -25,14 +27,23 @@
 namespace coalesced_bcast {
 namespace {
 
+// Communication lanes get high-priority streams: the pack and scatter kernels
+// launch thousands of short blocks, and an NCCL kernel queued behind them at
+// the same priority waits for SMs; at high priority the block scheduler gives
+// it the next free ones. COALESCED_BCAST_COMM_PRIORITY=normal turns it off (A/B).
+bool comm_high_priority() {
+  const char* v = std::getenv("COALESCED_BCAST_COMM_PRIORITY");
+  return v == nullptr || std::string(v) != "normal";
+}
+
 class CudaExecutor final : public Executor {
  public:
   explicit CudaExecutor(const Plan& plan)
       : plan_(plan),
         caller_(at::cuda::getCurrentCUDAStream(plan.device.index())),
-        comm_(at::cuda::getStreamFromPool(/*isHighPriority=*/false, plan.device.index())),
+        comm_(at::cuda::getStreamFromPool(comm_high_priority(), plan.device.index())),
         copy_(at::cuda::getStreamFromPool(/*isHighPriority=*/false, plan.device.index())),
-        send_(plan.is_refit ? at::cuda::getStreamFromPool(/*isHighPriority=*/false, plan.device.index()) : comm_),
+        send_(plan.is_refit ? at::cuda::getStreamFromPool(comm_high_priority(), plan.device.index()) : comm_),
         events_(3 * static_cast<size_t>(plan.ring_slots)),
         offsets_(table_offsets(plan)) {}
 

@@ -26,6 +26,16 @@ void check_group(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const Plan& p
       " tensors (trainer rank ", plan.trainer_rank, ")");
 }
 
+// asyncOp = false where the options have it: GatherOptions gained the field
+// after torch 2.4. Without it the gather is async and its Work's wait() orders
+// the lane after it, as pipeline.cpp argues for broadcasts.
+template <typename Options>
+auto request_sync(Options& o, int) -> decltype(o.asyncOp = false, void()) {
+  o.asyncOp = false;
+}
+template <typename Options>
+void request_sync(Options&, long) {}
+
 uintptr_t address(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr());
 }
@@ -76,7 +86,7 @@ RunStats refit_send(
   c10d::GatherOptions gopts;
   gopts.rootRank = plan.sender;
   gopts.timeout = timeout;
-  gopts.asyncOp = false;
+  request_sync(gopts, 0);
   c10d::BroadcastOptions bopts;
   bopts.rootRank = refit_src;
   bopts.rootTensor = 0;

@@ -79,16 +79,22 @@ def init_refit_group(host: Optional[str], port: int, rank: int, world_size: int,
     if store is None:
         store = dist.TCPStore(host, port, world_size, rank == 0 if is_master is None else is_master, timeout=timeout)
     prefix = dist.PrefixStore(f"{name}/", store)
-    pg = dist.ProcessGroup(prefix, rank, world_size)
+    cuda = device.type == "cuda"
+    if hasattr(dist.ProcessGroup, "_set_default_backend"):
+        pg = dist.ProcessGroup(prefix, rank, world_size)
+    else:  # torch 2.4: the default backend is a constructor option
+        options = dist.ProcessGroup.Options(backend="nccl" if cuda else "gloo")
+        options._timeout = timeout
+        pg = dist.ProcessGroup(prefix, rank, world_size, options)
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", prefix), rank, world_size, timeout)
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
-    if device.type == "cuda":
+    if cuda:
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", prefix), rank, world_size, opts)
         pg._register_backend(device, dist.ProcessGroup.BackendType.NCCL, nccl)
-    pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL if device.type == "cuda"
-                            else dist.ProcessGroup.BackendType.GLOO)
+    if hasattr(pg, "_set_default_backend"):
+        pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL if cuda else dist.ProcessGroup.BackendType.GLOO)
     pg._set_group_name(name)
     pg._set_group_desc(name)
     return pg
