@@ -24,9 +24,9 @@ import torch  # noqa: E402
 
 from coalesced_bcast import _C  # noqa: E402
 
-PERF_CUDA = "AUTO" if _C.with_cuda else "OFF"
+PERF_CUDA = os.environ.get("COALESCED_BCAST_PERF_CUDA", "AUTO" if _C.with_cuda else "OFF")
 BUILD = Path(os.environ.get("COALESCED_BCAST_PERF_BUILD",
-                            ROOT / "build" / f"perf-torch{torch.__version__}-{'cuda' if _C.with_cuda else 'cpu'}"))
+                            ROOT / "build" / f"perf-torch{torch.__version__}-{'cpu' if PERF_CUDA == 'OFF' else 'cuda'}"))
 SMALL_BUCKETS = ["--bucket-bytes", "64K", "--inplace-min-bytes", "256K"]
 RUN_TIMEOUT_S = 300
 
@@ -34,7 +34,7 @@ RUN_TIMEOUT_S = 300
 def _env() -> dict[str, str]:
     # The venv's ninja and python come first, as when CI activates the venv.
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    return dict(os.environ, PYTHON=sys.executable, PATH=path, COALESCED_BCAST_PERF_CUDA=os.environ.get("COALESCED_BCAST_PERF_CUDA", PERF_CUDA))
+    return dict(os.environ, PYTHON=sys.executable, PATH=path, COALESCED_BCAST_PERF_CUDA=PERF_CUDA)
 
 
 @pytest.fixture(scope="module")
