@@ -77,12 +77,69 @@ def pick_host_compiler():
     os.environ["CXX"], os.environ["CC"] = system_cxx, system_cc
 
 
+def nvcc_archs(cuda_home):
+    """The compute capabilities this nvcc can compile for ("90", "100", ...); None if it cannot say."""
+    try:
+        out = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--list-gpu-arch"], check=True,
+                             capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {a.split("_", 1)[1] for a in out.split() if a.startswith("compute_")}
+
+
+def wheel_archs():
+    """The sm_XX that this torch's own kernels were built for (the wheel's list; no GPU needed)."""
+    try:
+        flags = torch._C._cuda_getArchFlags()  # torch.cuda.get_arch_list() is empty without a GPU on some versions
+    except AttributeError:
+        flags = " ".join(torch.cuda.get_arch_list())
+    return [a.split("_", 1)[1] for a in (flags or "").split() if a.startswith("sm_")]
+
+
+def default_cuda_arch_list(cuda_home):
+    """TORCH_CUDA_ARCH_LIST for a build that did not set it, or None to leave the choice to torch.
+
+    torch's cpp_extension builds for the GPUs visible at build time, which is what a user building on
+    their own machine wants: left to it. Without a visible GPU (a CI or login node) it has nothing to
+    choose from (torch 2.14 fails with an IndexError), so the build targets the architectures torch
+    itself was built for, the ones its users can run, minus those this nvcc cannot compile, with PTX
+    for the newest so that later GPUs can JIT it. An explicit TORCH_CUDA_ARCH_LIST always wins.
+    """
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.device_count() > 0:
+        return None
+    archs = wheel_archs()
+    known = nvcc_archs(cuda_home)
+    if known is not None:
+        archs = [a for a in archs if a in known]
+    if not archs:
+        raise RuntimeError("coalesced_bcast: no GPU visible, and neither torch's arch list nor nvcc names an "
+                           "architecture to build for: set TORCH_CUDA_ARCH_LIST (e.g. 9.0 for H100/H200)")
+    # Plain archs only: an "a" variant (sm_90a) runs on that one GPU alone, and the plain one is listed too.
+    archs = sorted({int(a) for a in archs if a.isdigit()})
+    return ";".join(f"{a // 10}.{a % 10}" for a in archs) + "+PTX"
+
+
+BUILD_INFO = os.path.join(ROOT, "python", "coalesced_bcast", "_build_info.py")
+
+
+def write_build_info(with_cuda):
+    """Record the torch this build is for: the package checks it before it loads _C (see _compat.py),
+    so that a wheel imported under another torch says so instead of failing on an undefined symbol."""
+    text = ('"""Written by setup.py at build time: the torch the extension was built against (not in git)."""\n'
+            f"TORCH_VERSION = {torch.__version__!r}\n"
+            f"WITH_CUDA = {bool(with_cuda)!r}\n"
+            f"CUDA_ARCH_LIST = {os.environ.get('TORCH_CUDA_ARCH_LIST', '') if with_cuda else ''!r}\n")
+    with open(BUILD_INFO, "w") as f:
+        f.write(text)
+
+
 def extension():
     pick_host_compiler()
     cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cuda_home = find_cuda_home() if torch.version.cuda and os.environ.get("COALESCED_BCAST_CPU_ONLY") != "1" else None
     cxx = ["-O3"]
     if cuda_home is None:
+        write_build_info(False)
         return cpp_extension.CppExtension("coalesced_bcast._C", cpp, extra_compile_args={"cxx": cxx})
     os.environ["CUDA_HOME"] = cuda_home
     cpp_extension.CUDA_HOME = cuda_home
@@ -92,7 +149,11 @@ def extension():
     include = [os.path.join(cuda_home, "include")]
     if not os.path.exists(os.path.join(cuda_home, "include", "cusparse.h")):
         include += wheel_include("nvidia.cu13") or wheel_include("nvidia.cu12")
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0+PTX")
+    arch_list = default_cuda_arch_list(cuda_home)
+    if arch_list is not None:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
+        print(f"coalesced_bcast: no GPU visible and TORCH_CUDA_ARCH_LIST unset: building for torch's own list, {arch_list}")
+    write_build_info(True)
     cu = sorted(glob.glob(os.path.join("csrc", "*.cu")))
     return cpp_extension.CUDAExtension(
         "coalesced_bcast._C", cpp + cu, include_dirs=include, define_macros=[("WITH_CUDA", None)],
@@ -110,5 +171,5 @@ if __name__ == "__main__":  # tests import the helpers above (runpy) without bui
         ext_modules=[extension()],
         cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
         python_requires=">=3.9",
-        install_requires=["torch>=2.8"],
+        install_requires=["torch>=2.4"],  # tested 2.4.1 through 2.15.0 (README: Supported versions)
     )

@@ -87,12 +87,51 @@ RunStats broadcast_plan(
   opts.rootTensor = 0;
   opts.timeout = timeout;
   // Sync ops (torch >= 2.8) run on the current stream (the caller's, or the
-  // comm lane's under its guard) and stash nothing. Older torch returns a Work whose
-  // wait() orders our stream after its internal one; both are handled.
+  // comm lane's under its guard) and stash nothing. Older torch ignores asyncOp:
+  // ProcessGroupNCCL runs the broadcast on its own stream after waiting for the
+  // current one, recordStream()s the tensor there, and returns a Work whose
+  // wait() makes the current stream wait for it (host not blocked). Why that
+  // still bounds memory and keeps the order:
+  //  - Order: each broadcast's wait() puts its end on the comm lane before
+  //    exec->signal(kComm, s) records slot s's event there, so the receiver's
+  //    unpack of bucket k, and the source's pack of bucket k + ring_slots into
+  //    the same slot (exec->wait on that event), both come after NCCL has
+  //    finished with the slot. No slot is written while NCCL reads or writes it.
+  //  - Memory: the ring is one allocation per call (arena, below), reused slot
+  //    by slot; recordStream only marks that block as used on NCCL's stream, so
+  //    its free at return is deferred until NCCL's stream passes its last
+  //    broadcast. Nothing is allocated per bucket, so nothing piles up per
+  //    bucket as torch's own _broadcast_coalesced did (a fresh recordStream'd
+  //    flat copy per bucket: tens of GB on torch <= 2.7). At most one deferred
+  //    arena per call not yet passed by the GPU, and the caching allocator
+  //    reclaims those (waits for their events) before it reports out of memory.
+  //  - In-place tensors are the caller's own; recordStream on them only keeps
+  //    their memory from being reused before the broadcast into it is done.
+  // On CPU (gloo) every version returns a Work that runs on gloo's threads;
+  // before torch 2.8 gloo ignores opts.timeout, so the host waits for it
+  // against the call's deadline itself (wait_work).
   opts.asyncOp = false;
-  auto broadcast = [&](const at::Tensor& bytes) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto wait_work = [&](const c10::intrusive_ptr<c10d::Work>& work, const char* what, size_t index, size_t count) {
+    if (!work) return;
+    if (cuda || timeout.count() <= 0) {  // CUDA: a stream wait, not a host wait (the throttle keeps the deadline)
+      work->wait();
+      return;
+    }
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    try {
+      work->wait(std::max(left, std::chrono::milliseconds(1)));
+    } catch (const std::exception& e) {
+      if (std::chrono::steady_clock::now() < deadline) throw;  // a peer's failure, not the deadline: as it is
+      TORCH_CHECK(
+          false, "Timed out: ", what, " ", index, " of ", count, " did not finish on rank ", pg->getRank(),
+          " within the timeout of ", timeout.count(),
+          " ms (a rank stalled, died or called another collective): ", e.what());
+    }
+  };
+  auto broadcast = [&](const at::Tensor& bytes, size_t index, size_t count) {
     std::vector<at::Tensor> v{bytes};
-    if (auto work = pg->broadcast(v, opts)) work->wait();
+    wait_work(pg->broadcast(v, opts), "bucket", index, count);
   };
   Throttle throttle(plan.device, timeout, pg->getRank());
 
@@ -111,11 +150,9 @@ RunStats broadcast_plan(
         const auto& t = plan.tensor(first);
         std::vector<at::Tensor> v{nbytes == first.nbytes ? as_bytes(t) : span_bytes(t, nbytes)};
         auto work = pg->broadcast(v, opts);
-        if (!coalesce && work) work->wait();
+        if (!coalesce) wait_work(work, "in-place group", g, plan.inplace_groups.size());
       }
-      if (coalesce) {
-        if (auto work = pg->endCoalescing(plan.device.type())) work->wait();
-      }
+      if (coalesce) wait_work(pg->endCoalescing(plan.device.type()), "in-place group", g, plan.inplace_groups.size());
       if (throttle.active()) {  // the stream the group ran on: the caller's, or the comm lane's under its guard
         throttle.after(c10::impl::getDeviceGuardImpl(plan.device.type())->getStream(plan.device));
       }
@@ -162,7 +199,7 @@ RunStats broadcast_plan(
       {
         c10::OptionalStreamGuard comm(exec->stream(Lane::kComm));
         exec->wait(Lane::kComm, s);
-        broadcast(slot);
+        broadcast(slot, k, plan.buckets.size());
         // A load's source writes its own shards too, on the comm lane: on the
         // copy lane they would hold the next bucket's host copy behind this broadcast.
         if (is_src && plan.is_load) exec->scatter(k, slot, Lane::kComm);

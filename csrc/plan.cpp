@@ -492,7 +492,8 @@ at::Tensor Plan::fingerprint() const {
 }
 
 uint64_t layout_hash(const c10::TensorImpl& t) {
-  uint64_t h = hash_mix(static_cast<uint64_t>(t.dtype().toScalarType()), static_cast<uint64_t>(t.dim()));
+  // typeMetaToScalarType: TypeMeta::toScalarType() is not const on torch 2.4.
+  uint64_t h = hash_mix(static_cast<uint64_t>(c10::typeMetaToScalarType(t.dtype())), static_cast<uint64_t>(t.dim()));
   const auto sizes = t.sizes();
   const auto strides = t.strides();
   for (size_t d = 0; d < sizes.size(); ++d) h = hash_mix(hash_mix(h, sizes[d]), strides[d]);

@@ -1,11 +1,16 @@
-"""setup.py's choice of host compiler (see its pick_host_compiler): a compiler that links libstdc++
-code into the extension made every error message crash the process on the GPU image."""
+"""setup.py: its choice of host compiler (see its pick_host_compiler: a compiler that links libstdc++
+code into the extension made every error message crash the process on the GPU image), the GPU
+architectures a CUDA build targets, and the torch version a build records and checks at import."""
 import os
+import re
 import runpy
 import shutil
 import stat
+import subprocess
+import sys
 
 import pytest
+import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 needs_gxx = pytest.mark.skipif(not (shutil.which("g++") and shutil.which("nm") and os.path.exists("/usr/bin/g++")),
@@ -45,3 +50,99 @@ def test_such_a_cxx_is_replaced_by_the_system_gxx(setup_py, tmp_path, monkeypatc
     monkeypatch.setenv("COALESCED_BCAST_KEEP_CXX", "1")
     setup_py["pick_host_compiler"]()
     assert os.environ["CXX"] == static
+
+
+# ------------------------------------------------------------------ which GPUs a CUDA build targets
+
+needs_cuda_torch = pytest.mark.skipif(not torch.version.cuda, reason="a CPU-only torch builds no CUDA code")
+
+
+@needs_cuda_torch
+def test_explicit_arch_list_is_what_the_build_uses(setup_py, monkeypatch):
+    """CI and bench/device_run.sh set a short list: setup.py keeps it, and torch turns it into one gencode."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert setup_py["default_cuda_arch_list"]("/usr/local/cuda") is None
+    assert cpp_extension._get_cuda_arch_flags() == ["-gencode=arch=compute_90,code=sm_90"]
+
+
+@needs_cuda_torch
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="with a GPU visible torch builds for it: nothing to choose")
+def test_default_arch_list_without_a_gpu_is_the_wheels(setup_py, monkeypatch):
+    """No GPU and no TORCH_CUDA_ARCH_LIST: every architecture this torch was built for (that nvcc knows),
+    PTX for the newest; no longer Hopper alone (9.0+PTX, which A100, A10G, L40S and RTX 4090 cannot run)."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    cuda_home = setup_py["find_cuda_home"]()
+    wheel = {int(a) for a in setup_py["wheel_archs"]() if a.isdigit()}
+    nvcc = setup_py["nvcc_archs"](cuda_home) if cuda_home else None
+    expect = sorted(a for a in wheel if nvcc is None or str(a) in nvcc)
+    assert len(expect) >= 2, (wheel, nvcc)  # every CUDA wheel of torch 2.4-2.15 lists several
+    arch_list = setup_py["default_cuda_arch_list"](cuda_home)
+    assert arch_list == ";".join(f"{a // 10}.{a % 10}" for a in expect) + "+PTX"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)  # what setup.py's extension() exports
+    flags = cpp_extension._get_cuda_arch_flags()
+    assert {f"-gencode=arch=compute_{a},code=sm_{a}" for a in expect} <= set(flags)
+    assert f"-gencode=arch=compute_{expect[-1]},code=compute_{expect[-1]}" in flags  # PTX of the newest
+    assert len(flags) == len(expect) + 1, flags
+
+
+def test_built_extension_holds_the_recorded_archs():
+    """The built _C holds device code for exactly the architectures its build recorded (a CUDA build)."""
+    from coalesced_bcast import _C, _build_info
+
+    if not _C.with_cuda:
+        assert _build_info.WITH_CUDA is False and _build_info.CUDA_ARCH_LIST == ""
+        pytest.skip("a CPU-only build: no device code")
+    want = {a.split("+")[0].replace(".", "") for a in _build_info.CUDA_ARCH_LIST.split(";")}
+    cuobjdump = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
+    if os.path.exists(cuobjdump):
+        out = subprocess.run([cuobjdump, "--list-elf", _C.__file__], capture_output=True, text=True,
+                             check=True).stdout
+        have = set(re.findall(r"\.sm_(\d+)[a-z]?\.", out))
+    else:  # a toolkit without cuobjdump (the CI machine's): each cubin keeps its ptxas options, "-arch sm_XX"
+        with open(_C.__file__, "rb") as f:
+            out = f.read()
+        have = {m.decode() for m in re.findall(rb"-arch sm_(\d+)", out)}
+    assert have == want, (have, _build_info.CUDA_ARCH_LIST)
+
+
+# ------------------------------------------------------------------ the torch a build is for
+
+def test_build_records_the_torch_it_was_built_against():
+    from coalesced_bcast import _build_info, _compat
+
+    assert _compat.built_torch_version() == _build_info.TORCH_VERSION == torch.__version__
+
+
+def test_another_torch_is_refused_naming_both_versions():
+    from coalesced_bcast import _compat
+
+    _compat.check_torch("2.14.1+cu130", "2.14.1+cu130")
+    _compat.check_torch("2.14.1+cu130", "2.14.1")  # the local tag is not compared
+    _compat.check_torch(None, "2.4.1")  # never built: importing _C says what is wrong
+    with pytest.raises(ImportError) as e:
+        _compat.check_torch("2.14.1+cu130", "2.15.0+cu132")
+    assert "built against torch 2.14.1+cu130" in str(e.value) and "torch 2.15.0+cu132 is installed" in str(e.value)
+    assert "torch==2.14.1" in str(e.value)
+    with pytest.raises(ImportError, match="2.4.1"):
+        _compat.check_torch("2.4.1", "2.4.0")
+
+
+def test_import_under_another_torch_fails_with_the_check_not_a_symbol_error(tmp_path):
+    """A fresh interpreter whose recorded build torch differs: `import coalesced_bcast` raises the
+    ImportError of the check, before _C is loaded (so no undefined-symbol error can come first)."""
+    import coalesced_bcast
+
+    pkg = os.path.dirname(coalesced_bcast.__file__)
+    fake = tmp_path / "coalesced_bcast"
+    shutil.copytree(pkg, fake, ignore=shutil.ignore_patterns("__pycache__"))
+    (fake / "_build_info.py").write_text('TORCH_VERSION = "1.0.0+cu000"\nWITH_CUDA = False\nCUDA_ARCH_LIST = ""\n')
+    code = ("import sys\ntry:\n    import coalesced_bcast\nexcept ImportError as e:\n"
+            "    print('ImportError:', e); print('C loaded:', 'coalesced_bcast._C' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert f"built against torch 1.0.0+cu000, but torch {torch.__version__} is installed" in out.stdout, out
+    assert "C loaded: False" in out.stdout, out

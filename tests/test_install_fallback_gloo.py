@@ -39,10 +39,14 @@ def _unregistered_group(rank, world_size):
     """A ProcessGroup over gloo made by hand, as torch's own c10d tests make them: torch.distributed
     does not know it (no global ranks, no store of its own)."""
     store = dist.PrefixStore("unregistered", dist.distributed_c10d._get_default_store())
-    pg = dist.ProcessGroup(store, rank, world_size)
+    try:
+        pg = dist.ProcessGroup(store, rank, world_size)
+    except TypeError:  # torch < 2.5: the constructor takes the group's options too
+        pg = dist.ProcessGroup(store, rank, world_size, dist.ProcessGroup.Options(backend="gloo"))
     backend = dist.ProcessGroupGloo(store, rank, world_size)
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    if hasattr(pg, "_set_default_backend"):  # torch < 2.5 takes the default from the options' backend
+        pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     return pg
 
 

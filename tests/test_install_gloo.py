@@ -369,9 +369,17 @@ def _hsdp_body(rank, world_size):
     then the intra-node group; both go through coalesced_bcast and every rank ends with the source's
     values. (A mesh whose shard dimension has one rank makes FSDP1 fall back to NO_SHARD, which syncs
     nothing across ranks with or without install(): not tested here.)"""
+    import inspect
+
+    import torch.distributed.fsdp._init_utils as fsdp_init
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import ShardingStrategy
     want = states(build(False, SOURCE_SEED))
+    # torch 2.4's FSDP1 syncs an HSDP unit within the shard group first, which marks its buffers synced
+    # (FSDP_SYNCED), so the sync across replicas that follows skips them; later torch syncs across
+    # replicas first. Told apart by which group its init code names first.
+    init_src = inspect.getsource(fsdp_init._init_param_handle_from_module)
+    inter_node_syncs_buffers = init_src.find("_inter_node_pg") < init_src.find("state.process_group")
     for strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
         for shape in ((2, 2), (1, 4)):
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
@@ -379,7 +387,15 @@ def _hsdp_body(rank, world_size):
             coalesced_bcast.patched_calls(clear=True)
             with coalesced_bcast.installed():
                 fsdp = _fsdp(model, {Block}, None, sharding_strategy=strategy, device_mesh=mesh)
-            assert_same(_full_states(fsdp), want, f"HSDP {strategy} mesh {shape}", rank)
+            got = _full_states(fsdp)
+            if not inter_node_syncs_buffers and shape[0] > 1 and rank >= shape[1]:
+                # torch's own behaviour, which install() keeps: each replica keeps its own buffers.
+                buffers = {n.replace("_fsdp_wrapped_module.", "") for n, _ in fsdp.named_buffers()}
+                assert any(not same_bits(got[n], want[n]) for n in buffers), "buffers synced across replicas"
+                got, want_here = ({n: v for n, v in d.items() if n not in buffers} for d in (got, want))
+            else:
+                want_here = want
+            assert_same(got, want_here, f"HSDP {strategy} mesh {shape}", rank)
             calls = coalesced_bcast.patched_calls()
             assert calls and all(c.fallback is None for c in calls), calls
             assert len(calls) == 2 * len(type(fsdp).fsdp_modules(fsdp)), f"{strategy} {shape}: {len(calls)} syncs"

@@ -17,7 +17,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILD = Path(os.environ.get("COALESCED_BCAST_PERF_BUILD", ROOT / "build" / "perf"))
+# The binary mirrors the extension's build: CUDA where the extension was built with CUDA, else CPU only
+# (a CPU-only build is what a torch whose CUDA differs from this nvcc gets: torch 2.4-2.9 are CUDA 12).
+# One build directory per torch and kind, so that each venv of a version matrix reuses its own.
+import torch  # noqa: E402
+
+from coalesced_bcast import _C  # noqa: E402
+
+PERF_CUDA = os.environ.get("COALESCED_BCAST_PERF_CUDA", "AUTO" if _C.with_cuda else "OFF")
+BUILD = Path(os.environ.get("COALESCED_BCAST_PERF_BUILD",
+                            ROOT / "build" / f"perf-torch{torch.__version__}-{'cpu' if PERF_CUDA == 'OFF' else 'cuda'}"))
 SMALL_BUCKETS = ["--bucket-bytes", "64K", "--inplace-min-bytes", "256K"]
 RUN_TIMEOUT_S = 300
 
@@ -25,13 +34,18 @@ RUN_TIMEOUT_S = 300
 def _env() -> dict[str, str]:
     # The venv's ninja and python come first, as when CI activates the venv.
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    return dict(os.environ, PYTHON=sys.executable, PATH=path)
+    return dict(os.environ, PYTHON=sys.executable, PATH=path, COALESCED_BCAST_PERF_CUDA=PERF_CUDA)
 
 
 @pytest.fixture(scope="module")
 def binary() -> Path:
     if shutil.which("cmake") is None:
         pytest.skip("cmake is not installed, so bench/perf cannot be built")
+    header = Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/ProcessGroup.hpp"
+    if "setDefaultBackend" not in header.read_text():
+        # The driver's store-backed ProcessGroup (store_backend.cpp) is built with the C++ API of torch >= 2.5.
+        pytest.skip(f"torch {torch.__version__}'s C++ ProcessGroup lacks setDefaultBackend and the (store, rank, size) "
+                    "constructor that bench/perf's store backend uses")
     proc = subprocess.run(["bash", str(ROOT / "bench" / "perf" / "build.sh"), str(BUILD)], env=_env(),
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"build failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"

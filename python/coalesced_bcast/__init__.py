@@ -6,6 +6,13 @@
     plan = coalesced_bcast.plan_sync(model, src=0); plan.run()   # the same tensors, again and again
     coalesced_bcast.RefitSender(model.named_parameters(), group).send()  # a trainer's weights to engines
 """
+import torch as _torch
+
+from . import _compat
+
+# Before anything loads _C: under another torch than the build's, say so (an ImportError naming both).
+_compat.check_torch(_compat.built_torch_version(), _torch.__version__)
+
 from .agree import AgreementError, CollectiveError
 from .sync import (
     DEFAULT_BUCKET_BYTES,

@@ -149,13 +149,31 @@ def to_host(t: torch.Tensor, what: str, pg: dist.ProcessGroup, timeout: Optional
     return host
 
 
-def _run(name: str, pg: dist.ProcessGroup, timeout: Optional[timedelta], start) -> None:
-    """Run one collective; turn a peer's death or a missed deadline into a CollectiveError that says so."""
+def _sync_op(opts):
+    """Ask for a synchronous collective where this torch's options have the field: AllreduceOptions lacks
+    asyncOp before torch 2.8 (Allgather/BroadcastOptions have it from 2.4 on). Without it the collective
+    is async and _run waits for its Work, which orders the result the same way."""
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = False
+    return opts
+
+
+def _run(name: str, pg: dist.ProcessGroup, timeout: Optional[timedelta], start, on_cpu: bool = False) -> None:
+    """Run one collective; turn a peer's death or a missed deadline into a CollectiveError that says so.
+
+    `on_cpu`: the collective's tensors are CPU tensors (gloo). gloo before torch 2.8 ignores the options'
+    timeout and waits for the group's; Work.wait(timeout) bounds the host's wait on every version (on
+    2.8+ gloo stops at the same deadline itself). Not on CUDA: there wait(timeout) would block the
+    host until the device finishes, and the callers wait for the result against the deadline already.
+    """
     t0 = time.monotonic()
     try:
         work = start()
         if work is not None:
-            work.wait()
+            if on_cpu and timeout is not None:
+                work.wait(timeout)
+            else:
+                work.wait()
     except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
         limit = f"{timeout.total_seconds():g} s" if timeout is not None else "the group's timeout"
         raise CollectiveError(
@@ -184,29 +202,28 @@ def payload_broadcast(plan, pg: dist.ProcessGroup, src: int, timeout: Optional[f
 
 def all_gather(out: list[torch.Tensor], inp: torch.Tensor, pg: dist.ProcessGroup,
                timeout: Optional[timedelta] = None, what: str = "all_gather") -> None:
-    opts = AllgatherOptions()
-    opts.asyncOp = False
+    opts = _sync_op(AllgatherOptions())
     if timeout is not None:
         opts.timeout = timeout
-    _run(what, pg, timeout, lambda: pg.allgather([out], [inp], opts))
+    _run(what, pg, timeout, lambda: pg.allgather([out], [inp], opts), on_cpu=inp.device.type == "cpu")
 
 
 def broadcast(t: torch.Tensor, group_src: int, pg: dist.ProcessGroup, timeout: Optional[timedelta] = None,
               what: str = "broadcast") -> None:
-    opts = BroadcastOptions()
-    opts.rootRank, opts.rootTensor, opts.asyncOp = group_src, 0, False
+    opts = _sync_op(BroadcastOptions())
+    opts.rootRank, opts.rootTensor = group_src, 0
     if timeout is not None:
         opts.timeout = timeout
-    _run(what, pg, timeout, lambda: pg.broadcast([t], opts))
+    _run(what, pg, timeout, lambda: pg.broadcast([t], opts), on_cpu=t.device.type == "cpu")
 
 
 def all_reduce_max(t: torch.Tensor, pg: dist.ProcessGroup, timeout: Optional[timedelta] = None,
                    what: str = "all_reduce") -> None:
-    opts = AllreduceOptions()
-    opts.reduceOp, opts.asyncOp = dist.ReduceOp.MAX, False
+    opts = _sync_op(AllreduceOptions())
+    opts.reduceOp = dist.ReduceOp.MAX
     if timeout is not None:
         opts.timeout = timeout
-    _run(what, pg, timeout, lambda: pg.allreduce([t], opts))
+    _run(what, pg, timeout, lambda: pg.allreduce([t], opts), on_cpu=t.device.type == "cpu")
 
 
 def control_device(pg: dist.ProcessGroup) -> torch.device:

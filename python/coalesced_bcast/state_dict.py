@@ -30,7 +30,10 @@ from typing import Any, Iterator, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # torch < 2.5 kept DTensor in a private module: the same classes
+    from torch.distributed._tensor import DTensor, Replicate, Shard
 
 from . import _C
 from .agree import payload_broadcast
@@ -473,7 +476,10 @@ def _dtensor_box(mesh, facts: tuple, placements, shape: tuple[int, ...]):
             lo[d] = min(coord[0] * chunk, n)
             hi[d] = min(lo[d] + chunk, n)
     else:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        try:
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        except ImportError:  # torch < 2.5
+            from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
         lshape, off = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
         lo, hi = list(off), [o + s for o, s in zip(off, lshape)]
     return None, tuple(lo), torch.Size(h - l for l, h in zip(lo, hi))
