@@ -118,11 +118,13 @@ RunStats broadcast_plan(
       work->wait();
       return;
     }
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    // Rounded up: the wait ends at the deadline, not up to a millisecond before it.
+    auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     try {
       work->wait(std::max(left, std::chrono::milliseconds(1)));
     } catch (const std::exception& e) {
-      if (std::chrono::steady_clock::now() < deadline) throw;  // a peer's failure, not the deadline: as it is
+      // A Work that finished with an error is a peer's failure: as it is. One still running ran out of time.
+      if (work->isCompleted()) throw;
       TORCH_CHECK(
           false, "Timed out: ", what, " ", index, " of ", count, " did not finish on rank ", pg->getRank(),
           " within the timeout of ", timeout.count(),
