@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import coalesced_bcast
 from coalesced_bcast import AgreementError, RefitReceiver, RefitSender, init_refit_group
 from dist_utils import run_ranks
 from zoo import fill_random_bytes, same_bits

@@ -22,7 +22,7 @@ import re
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
