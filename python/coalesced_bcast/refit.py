@@ -107,11 +107,15 @@ def _digest(*parts: Any) -> int:
     return int.from_bytes(h.digest(), "little", signed=True) or 1  # 0 means "no plan"
 
 
+def _heads(records: torch.Tensor) -> list:
+    """The int64 header of each 512-byte record (agree._record): [status, flags, digest, ...] per rank."""
+    return records.reshape(-1, records.shape[-1])[:, :_HEADER].contiguous().view(torch.int64).tolist()
+
+
 def _verdict(table: torch.Tensor, ranks_label: Callable[[int], str]) -> Optional[str]:
     """The first refusal in an agreement table, in words, or None."""
-    for r in range(table.shape[0]):
-        status = int(table[r, :8].view(torch.int64)[0])
-        if status != _OK:
+    for r, head in enumerate(_heads(table)):
+        if head[0] != _OK:
             return f"{ranks_label(r)} refused: {_message(table[r])}"
     return None
 
@@ -194,15 +198,15 @@ class RefitSender:
         self.trainer_group = self._trainer_arg or next(
             (t.device_mesh.get_group() for t in self._tensors if isinstance(t, DTensor) and t.device_mesh.ndim == 1
              and any(isinstance(p, Shard) for p in t.placements)), None)
+        self._trainer_rank = self.trainer_group.rank() if self.trainer_group is not None else 0
+        self._trainer_world = self.trainer_group.size() if self.trainer_group is not None else 1
+        self._is_sender = self._trainer_rank == self.sender_rank
         self.units = torch.zeros((0, _W), dtype=torch.int64)
         self.digest = 0
         try:
             self._plan_local()
         except (TypeError, ValueError, RuntimeError) as e:
             self._error = str(e)
-        self._trainer_rank = self.trainer_group.rank() if self.trainer_group is not None else 0
-        self._trainer_world = self.trainer_group.size() if self.trainer_group is not None else 1
-        self._is_sender = self._trainer_rank == self.sender_rank
 
     def _wire_dtype(self, name: str, t: torch.Tensor) -> torch.dtype:
         d = self._dtype
@@ -251,8 +255,7 @@ class RefitSender:
         if mesh_group is not None and mesh_group is not self.trainer_group and \
                 dist.get_process_group_ranks(mesh_group) != dist.get_process_group_ranks(self.trainer_group):
             raise ValueError("the DTensors' mesh group is not the trainer_group given")
-        world = self.trainer_group.size() if self.trainer_group is not None else 1
-        rank = self.trainer_group.rank() if self.trainer_group is not None else 0
+        world, rank = self._trainer_world, self._trainer_rank
         self.units = _int64_table(rows, _W)
         self.digest = _digest(self.names, self.units.numpy().tobytes(), self.bucket_bytes)
         self._trainer_digest = _digest(self.digest, modes, world, self.sender_rank)
@@ -260,7 +263,6 @@ class RefitSender:
         # Tensors this rank holds no part of go in as undefined: the plan reads none of them.
         self._plan = _C.refit_plan(self.units, locals_, modes, rank, world, self.sender_rank, self.bucket_bytes,
                                    self.ring_depth, rank, device, self.names)
-        self._device = device
 
     # -- the step ------------------------------------------------------------------------------------
 
@@ -331,8 +333,7 @@ class RefitSender:
             table = _gather(rec, tg, ctrl, timeout)
             msg = _verdict(table, self._trainer_label)
             if msg is None:
-                digests = set(table[:, :_HEADER].view(torch.int64)[:, 2].tolist())
-                if len(digests) > 1:
+                if len({head[2] for head in _heads(table)}) > 1:
                     msg = "the trainer ranks hold different tensors (names, shapes, dtypes or sharding differ)"
         if self._is_sender:
             msg = self._agree_refit(msg, timeout, verify)
@@ -348,7 +349,7 @@ class RefitSender:
         rec = _record(_REFUSED if msg else _OK, 0, 0, 0, msg or "").to(control_device(tg))
         broadcast(rec, self.sender_rank, tg, timeout, what)
         rec = rec.cpu()
-        return _message(rec) if int(rec[:8].view(torch.int64)[0]) != _OK else None
+        return _message(rec) if _heads(rec)[0][0] != _OK else None
 
     def _agree_refit(self, msg: Optional[str], timeout: Optional[timedelta], verify: bool) -> Optional[str]:
         pg = self.refit_group
@@ -361,8 +362,7 @@ class RefitSender:
         msg = _verdict(table, self._refit_label)
         if msg:
             return msg
-        digests = table[:, :_HEADER].view(torch.int64)[:, 2].tolist()
-        if any(d != self.digest for d in digests):  # a receiver without this plan: it gets the metadata
+        if any(head[2] != self.digest for head in _heads(table)):  # a receiver without this plan: it gets the metadata
             _send_object({"names": self.names, "units": self.units, "bucket_bytes": self.bucket_bytes,
                           "digest": self.digest}, pg, self.src, ctrl, timeout)
             table = _gather(_record(_OK, flags, self.digest, 0, ""), pg, ctrl, timeout)
@@ -513,12 +513,11 @@ class RefitReceiver:
             error = re.sub(r"destination (\d+)", lambda m: f"tensor '{self._dest_keys[int(m.group(1))]}'", error)
             error = f"{error}; make a new RefitReceiver"
         table = _gather(_record(_REFUSED if error else _OK, 0, self.digest, 0, error or ""), pg, ctrl, timeout)
-        sender_digest = int(table[self.src, :_HEADER].view(torch.int64)[2])
-        flags = int(table[self.src, :_HEADER].view(torch.int64)[1])
+        heads = _heads(table)
+        flags, sender_digest = heads[self.src][1], heads[self.src][2]
         msg = _verdict(table, self._label)
         if msg is None:
-            digests = table[:, :_HEADER].view(torch.int64)[:, 2].tolist()
-            if any(d != sender_digest for d in digests):
+            if any(head[2] != sender_digest for head in heads):
                 meta = _send_object(None, pg, self.src, ctrl, timeout)
                 rebuild = self.digest != sender_digest
                 problem = self._make_plan(meta) if rebuild else None
