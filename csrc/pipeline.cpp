@@ -33,15 +33,9 @@ int64_t runs_in(const Plan& plan, const std::vector<int64_t>& group) {
 }
 
 void check_backend(const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
-  // The group's own list of device types: asking getBackend() for a type the
-  // group was not made for throws or, on some torch versions, worse.
-  const auto type = plan.device.type();
-  const auto types = pg->getDeviceTypes();
-  const bool served =
-      std::any_of(types.begin(), types.end(), [&](const c10::Device& d) { return d.type() == type; });
   TORCH_CHECK_VALUE(
-      served, plan.describe(0), " is on ", plan.device, " but process group '", pg->getGroupDesc(),
-      "' has no backend for ", type, " tensors");
+      group_serves(pg, plan.device.type()), plan.describe(0), " is on ", plan.device, " but process group '",
+      pg->getGroupDesc(), "' has no backend for ", plan.device.type(), " tensors");
 }
 
 // Written tensors changed behind autograd's back: bump their versions so that

@@ -6,6 +6,7 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 
@@ -25,6 +26,14 @@ struct Progress {
   std::function<void(int64_t)> report;
   double every = 0;
 };
+
+// Whether the group has a backend for tensors of `type`, from its own list of
+// device types: asking getBackend() for a type the group was not made for
+// throws or, on some torch versions, worse.
+inline bool group_serves(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, c10::DeviceType type) {
+  const auto types = pg->getDeviceTypes();
+  return std::any_of(types.begin(), types.end(), [&](const c10::Device& d) { return d.type() == type; });
+}
 
 // Called with each bucket's slot where its bytes are whole, on the lane that
 // reads them next (its stream is current): a receiver after the broadcast, a

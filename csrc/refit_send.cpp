@@ -19,11 +19,8 @@ namespace coalesced_bcast {
 namespace {
 
 void check_group(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const Plan& plan, const char* which) {
-  const auto types = pg->getDeviceTypes();
-  TORCH_CHECK_VALUE(
-      std::any_of(types.begin(), types.end(), [&](const c10::Device& d) { return d.type() == plan.device.type(); }),
-      "the ", which, " group '", pg->getGroupDesc(), "' has no backend for ", plan.device.type(),
-      " tensors (trainer rank ", plan.trainer_rank, ")");
+  TORCH_CHECK_VALUE(group_serves(pg, plan.device.type()), "the ", which, " group '", pg->getGroupDesc(),
+                    "' has no backend for ", plan.device.type(), " tensors (trainer rank ", plan.trainer_rank, ")");
 }
 
 // asyncOp = false where the options have it: GatherOptions gained the field
