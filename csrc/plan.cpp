@@ -126,7 +126,7 @@ void lay_out_buckets(Plan& plan) {
     auto& u = plan.unique[ui];
     if (u.inplace || u.nbytes == 0) continue;
     int32_t layout = -1;
-    if (!u.contiguous) {
+    if (!plan.in_order(u)) {
       plan.layouts.push_back(collapse_layout(plan.tensor(u), [&] { return plan.describe(u.first_input); }));
       layout = static_cast<int32_t>(plan.layouts.size() - 1);
     }
@@ -202,9 +202,26 @@ void choose_routes(Plan& plan) {
   join_runs(plan);
 }
 
-// A tensor's route as ranks exchange it: bit 0 in place, bit 1 joined to the next.
+// A tensor's route: bit 0 in place, bit 1 joined to the next.
 uint8_t route_bits(const UniqueTensor& u) {
   return static_cast<uint8_t>(u.inplace | (u.joins_next << 1));
+}
+
+// The routes' hash: route bits, and for each tensor that goes in memory order
+// its sizes and strides (size-1 dims aside, whose strides place nothing), so
+// that ranks laying a dense tensor out differently differ here.
+int64_t hash_routes(const Plan& plan) {
+  uint64_t h = hash_mix(2, plan.unique.size());
+  for (const auto& u : plan.unique) {
+    h = hash_mix(h, route_bits(u));
+    if (u.contiguous || u.nbytes == 0 || !plan.in_order(u)) continue;
+    const auto& t = plan.tensor(u);
+    h = hash_mix(h, 0x100 + t.dim());
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      if (t.size(d) != 1) h = hash_mix(hash_mix(h, t.size(d)), t.stride(d));
+    }
+  }
+  return static_cast<int64_t>(h);
 }
 
 void lay_out(Plan& plan) {
@@ -217,9 +234,7 @@ void lay_out(Plan& plan) {
   group_inplace(plan);
   lay_out_buckets(plan);
   validate_copy_table(plan);
-  uint64_t h = hash_mix(2, plan.unique.size());
-  for (const auto& u : plan.unique) h = hash_mix(h, route_bits(u));
-  plan.routes_hash = static_cast<int64_t>(h);
+  plan.routes_hash = hash_routes(plan);
 }
 
 }  // namespace
@@ -282,6 +297,7 @@ Plan make_plan(
     int64_t nbytes;
     int32_t elem_size;
     bool contiguous;
+    bool dense;
   };
   // An input's bytes [lo, hi), sorted once: equal ranges are aliases, and
   // ranges that touch are checked for overlap.
@@ -311,7 +327,7 @@ Plan make_plan(
         shape_str(t.sizes()), ", strides ", shape_str(t.strides()),
         ") overlaps itself in memory (an expanded view?); pass a real tensor");
     const auto addr = nbytes > 0 ? reinterpret_cast<uintptr_t>(t.data_ptr()) : 0;
-    seen[i] = Seen{nbytes, elem_size, contiguous};
+    seen[i] = Seen{nbytes, elem_size, contiguous, !contiguous && impl->is_non_overlapping_and_dense()};
     plan.keys[i] = key_of(t, addr);
     uint64_t h = hash_mix(hash_mix(static_cast<uint64_t>(t.scalar_type()), sizes.size()), nbytes);
     for (const auto s : sizes) h = hash_mix(h, s);
@@ -365,9 +381,11 @@ Plan make_plan(
     // In place only for whole, aligned 16-byte words: NCCL's LL protocol reads
     // up to a word past the end of a buffer (compute-sanitizer memcheck on H200,
     // NCCL 2.28.9), harmless inside our ring slots but not at a tensor's end.
-    const bool eligible = s.contiguous && s.nbytes > 0 && s.nbytes % kAlign == 0 && addr % kAlign == 0;
+    // A dense tensor's extent is exactly its bytes: in memory order it goes as a contiguous one does.
+    const bool eligible = (s.contiguous || s.dense) && s.nbytes > 0 && s.nbytes % kAlign == 0 && addr % kAlign == 0;
     plan.input_to_unique[i] = static_cast<int64_t>(plan.unique.size());
-    plan.unique.push_back(UniqueTensor{i, s.nbytes, addr, s.elem_size, s.contiguous, eligible, false, false, false});
+    plan.unique.push_back(
+        UniqueTensor{i, s.nbytes, addr, s.elem_size, s.contiguous, s.dense, eligible, false, false, false});
     plan.total_bytes += s.nbytes;
     fp_hash = hash_mix(fp_hash, record_hash[i]);
   }
@@ -416,7 +434,11 @@ std::string Plan::check_unchanged() const {
 at::Tensor Plan::routes() const {
   auto out = at::empty({static_cast<int64_t>(unique.size())}, at::kByte);
   auto* p = out.data_ptr<uint8_t>();
-  for (const auto& u : unique) *p++ = route_bits(u);
+  for (size_t i = 0; i < unique.size(); ++i) {
+    const auto& u = unique[i];
+    const bool next_contiguous = i + 1 < unique.size() && unique[i + 1].contiguous;
+    *p++ = u.contiguous ? static_cast<uint8_t>(u.inplace | ((u.joins_next && next_contiguous) << 1)) : 0;
+  }
   return out;
 }
 
@@ -428,6 +450,13 @@ void Plan::restrict_routes(const at::Tensor& allowed) {
       allowed.toString(), " of ", allowed.numel());
   const auto a = allowed.contiguous();
   const auto* p = a.data_ptr<uint8_t>();
+  // Without memory order a tensor that is not contiguous cannot go in place, nor join a run.
+  memory_order = false;
+  for (size_t u = 0; u < unique.size(); ++u) {
+    if (unique[u].contiguous) continue;
+    unique[u].eligible = unique[u].inplace = unique[u].adjacent_next = false;
+    if (u > 0) unique[u - 1].adjacent_next = false;
+  }
   for (size_t u = 0; u < unique.size(); ++u) {
     unique[u].inplace = unique[u].inplace && (p[u] & 1);
     unique[u].adjacent_next = unique[u].adjacent_next && (p[u] & 2);

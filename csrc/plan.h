@@ -37,7 +37,11 @@ struct UniqueTensor {
   uintptr_t ptr;  // address of the first element, read once
   int32_t elem_size;
   bool contiguous;
-  // Can its bytes be broadcast where they are on this rank (contiguous, whole
+  // Not contiguous, but its elements fill [ptr, ptr + nbytes) without gaps (a
+  // transpose, channels_last): its bytes can travel as they lie, in memory
+  // order, while every rank lays it out the same way (Plan::memory_order).
+  bool dense;
+  // Can its bytes be broadcast where they are on this rank (in order, whole
   // aligned words)? Local: another rank's copy may be laid out differently.
   bool eligible;
   // Does the next unique tensor start where this one ends, in the same
@@ -106,6 +110,14 @@ struct Plan {
   // every run. fp_hash covers what fingerprint() holds (ranks compare it first).
   int64_t fp_hash = 0;
   int64_t routes_hash = 0;
+  // Dense tensors' bytes go as they lie (in place or copied whole into
+  // buckets) rather than element by element in logical order. Only safe while
+  // every rank has the same layouts: the routes' hash covers them, and a
+  // restriction (ranks' routes differ) turns it off everywhere.
+  bool memory_order = true;
+  bool in_order(const UniqueTensor& u) const {
+    return u.contiguous || (u.dense && memory_order);
+  }
 
   // Loads (make_load_plan): `inputs` are the source's checkpoint tensors (none
   // elsewhere), `dests` what this rank writes, on every rank the source included.
@@ -143,13 +155,16 @@ struct Plan {
   at::Tensor fingerprint() const;
   // Per unique tensor, bit 0: this rank would broadcast it in place; bit 1:
   // in one broadcast with the next. Ranks must use the same routes, or their
-  // broadcasts would not pair up.
+  // broadcasts would not pair up. These are the routes without memory order
+  // (what ranks exchange when their routes' hashes differ): a dense tensor
+  // that is not contiguous reads 0.
   at::Tensor routes() const;
   // What ranks compare first, without building tensors: the fingerprint's
   // length and hash, and the routes' hash.
   std::tuple<int64_t, int64_t, int64_t> digest() const;
-  // Keep only what `allowed` (uint8, one per unique tensor: the bitwise AND
-  // of every rank's routes) allows, and lay the buckets out again.
+  // Turn memory order off, keep only what `allowed` (uint8, one per unique
+  // tensor: the bitwise AND of every rank's routes()) allows, and lay the
+  // buckets out again.
   void restrict_routes(const at::Tensor& allowed);
 };
 

@@ -87,8 +87,8 @@ def test_inplace_threshold_and_coalesced_groups():
     assert p.num_inplace == 5
     assert p.inplace_groups == [[0, 1], [2, 3], [4]]
     assert p.packed_bytes == 40
-    # non-contiguous tensors are never in place, whatever their size
-    p = plan([torch.zeros(64, 64).t()], inplace=1)
+    # strided tensors with gaps are never in place, whatever their size
+    p = plan([torch.zeros(64, 128)[:, ::2]], inplace=1)
     assert p.num_inplace == 0 and p.num_buckets == 4  # 16 KiB through 4 KiB buckets
     # nor are tensors that are not whole, aligned 16-byte words (NCCL reads past their end)
     base = torch.zeros(10000, dtype=torch.uint8)
@@ -127,6 +127,36 @@ def test_routes_are_restricted_to_what_every_rank_allows():
     assert q.routes().tolist() == [0, 1, 0]
     with pytest.raises(ValueError, match="one per unique tensor"):
         p.restrict_routes(torch.ones(3, dtype=torch.uint8))
+
+
+def test_dense_tensors_travel_in_memory_order():
+    """A transpose or a channels_last weight fills its extent without gaps: its bytes go as they lie
+    (in place, or copied whole into buckets) while every rank lays it out the same way; the routes'
+    hash covers the layout, and a restriction (ranks' routes differ) sends it element by element."""
+    t = torch.zeros(64, 64).t()
+    conv = torch.zeros(8, 16, 3, 3).to(memory_format=torch.channels_last)
+    p = plan([t, conv], inplace=1)
+    assert p.num_inplace == 2 and p.num_buckets == 0
+    assert p.routes().tolist() == [0, 0]  # without memory order neither could go in place
+    q = plan([t, conv])  # through buckets: memory order, copied whole
+    assert q.packed_bytes == 16 * KIB + 4608 and not any(r[5] for r in runs(q))
+    q.restrict_routes(torch.ones(2, dtype=torch.uint8))  # some rank's routes differ: logical order
+    assert q.packed_bytes == 16 * KIB + 4608 and all(r[5] for r in runs(q))
+    p.restrict_routes(torch.ones(2, dtype=torch.uint8))
+    assert p.num_inplace == 0 and p.num_buckets == 6 and all(r[5] for r in runs(p))
+
+    def hashes(*ts):
+        _, fp_hash, routes_hash = plan(ts).digest()
+        return fp_hash, routes_hash
+
+    same = hashes(torch.ones(64, 64).t(), conv)
+    assert hashes(torch.zeros(64, 64).t(), torch.ones_like(conv)) == same  # values do not count
+    contiguous = hashes(torch.zeros(64, 64), conv.contiguous())  # the same structure, other layouts
+    assert contiguous[0] == same[0] and contiguous[1] != same[1]
+    assert hashes(torch.zeros(64, 64).t(), conv.contiguous())[1] not in (same[1], contiguous[1])
+    # size-1 dims place nothing: their strides do not count
+    a, b = torch.zeros(1, 32, 16).transpose(1, 2), torch.zeros(32, 1, 16).permute(1, 2, 0)
+    assert a.shape == b.shape and a.stride() != b.stride() and hashes(a) == hashes(b)
 
 
 def test_back_to_back_tensors_of_one_buffer_go_as_one_broadcast():

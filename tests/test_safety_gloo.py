@@ -233,10 +233,11 @@ def _routes_body(rank, world_size):
         want = [_filled((64, 64), torch.float32, 1), _filled((1024,), torch.float32, 2), _filled((4,), torch.float32, 3)]
         for store_max in ("64", "0"):  # through the store, through a collective
             os.environ[agree._STORE_ENV] = store_max
-            for layout in ("transposed", "unaligned", "same", "one buffer", "one buffer but one rank"):
+            for layout in ("transposed", "unaligned", "same", "one buffer", "one buffer but one rank",
+                           "transposed everywhere"):
                 mine = [x.clone() if rank == 0 else torch.full_like(x, -1.0) for x in want]
-                if rank == odd and layout == "transposed":  # same shape, not contiguous
-                    mine[0] = mine[0].t().contiguous().t()
+                if (rank == odd and layout == "transposed") or layout == "transposed everywhere":
+                    mine[0] = mine[0].t().contiguous().t()  # same shape, not contiguous: another memory order
                 if rank == odd and layout == "unaligned":  # contiguous, but 4 bytes off a 16-byte boundary
                     mine[1] = torch.full((1025,), -1.0)[1:]
                 if layout == "one buffer" or (layout == "one buffer but one rank" and rank != odd):
@@ -245,7 +246,8 @@ def _routes_body(rank, world_size):
                 stats = coalesced_bcast.broadcast_tensors(mine, 0, names=["w", "v", "s"], inplace_min_bytes=4096,
                                                           small_inplace_max=0)
                 assert all(same_bits(a, b) for a, b in zip(mine, want)), (rank, layout, store_max)
-                expect = 1 if layout in ("transposed", "unaligned") and rank != odd else 0
+                # the odd rank could send its transposed copy in place in its own memory order, alone
+                expect = 1 if layout == "transposed" or (layout == "unaligned" and rank != odd) else 0
                 assert stats.rerouted == expect, (rank, layout, stats)
                 # every rank sends the same tensors in place, whoever could not, in as many broadcasts
                 assert stats.inplace_tensors == (1 if layout in ("transposed", "unaligned") else 2), (rank, layout)

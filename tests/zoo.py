@@ -57,6 +57,8 @@ def make_zoo(seed: int, device: torch.device, big_bytes: int, value_seed: int) -
         out.append((f"{name}.even", base[:, 0::2]))
         out.append((f"{name}.odd", base[:, 1::2]))
         out.append((f"{name}.unaligned", new((rint(20, 200),), dtype)[1:]))
+    # dense but not contiguous: its bytes travel in memory order when every rank lays it out alike
+    out.append(("conv.channels_last", new((rint(2, 9), 5, 3, 3), torch.float32).to(memory_format=torch.channels_last)))
     tied = new((rint(10, 100), 7), torch.float32)
     out.insert(rint(0, len(out)), ("tied.a", tied))
     out.insert(rint(0, len(out)), ("tied.b", tied))
