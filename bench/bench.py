@@ -290,9 +290,15 @@ def measure(fn, tensors, device, reps):
     return median, extra_a, extra_r, first, results[times.index(median)] if median in times else results[-1]
 
 
-def ceiling(nbytes, device, reps):
+def ceiling(nbytes, device, reps, piece=None):
+    """One flat broadcast of nbytes; with `piece`, the same bytes as back-to-back broadcasts of that
+    size from one buffer (the link at a bucket's size, with no copy, event or ring around it)."""
     flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    fn = lambda _: dist.broadcast(flat, 0)  # noqa: E731
+    if piece is None:
+        fn = lambda _: dist.broadcast(flat, 0)  # noqa: E731
+    else:
+        parts = flat.split(piece)
+        fn = lambda _: [dist.broadcast(p, 0) for p in parts]  # noqa: E731
     fn(None)
     sec, a, r, _, _ = measure(fn, None, device, reps)
     del flat
@@ -343,6 +349,14 @@ def main():
         rows.append(dict(base, method="ceiling", tensors=1, seconds=c_sec, gbps=nbytes / c_sec / 1e9,
                          pct_of_ceiling=100.0, peak_extra_allocated_bytes=c_a, peak_extra_reserved_bytes=c_r,
                          correct=None))  # the reference: its bytes are not checked
+        if not case.startswith("scale"):  # what the ring's broadcasts could reach at the default bucket size
+            piece = coalesced_bcast.DEFAULT_BUCKET_BYTES
+            p_sec, p_a, p_r = ceiling(nbytes, device, args.reps, piece)
+            rows.append(dict(base, method=f"ceiling[{piece // MiB}M pieces]", tensors=-(-nbytes // piece),
+                             seconds=p_sec, gbps=nbytes / p_sec / 1e9, pct_of_ceiling=100.0 * c_sec / p_sec,
+                             peak_extra_allocated_bytes=p_a, peak_extra_reserved_bytes=p_r, correct=None))
+            if rank == 0:
+                print(table_line(rows[-1]), flush=True)
         tensors = build(spec, device)
         for name, fn in methods(on_gpu, case).items():
             fill(tensors, seed=7, poison=rank != 0)
