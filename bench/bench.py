@@ -212,14 +212,14 @@ def kept_plan():
     return run
 
 
-def comm_priority_normal(fn):
-    """fn with the communication lanes at normal stream priority (the executor's A/B switch)."""
+def with_env(fn, name, value):
+    """fn with an environment switch of the executor set (read when a call starts or a kernel launches)."""
     def run(ts):
-        os.environ["COALESCED_BCAST_COMM_PRIORITY"] = "normal"
+        os.environ[name] = value
         try:
             return fn(ts)
         finally:
-            del os.environ["COALESCED_BCAST_COMM_PRIORITY"]
+            del os.environ[name]
     return run
 
 
@@ -231,8 +231,12 @@ def methods(on_gpu: bool, case: str) -> dict:
         "coalesced_bcast": ours(),
         "coalesced_bcast[kept plan]": kept_plan(),
     }
-    if on_gpu:
-        m["coalesced_bcast[kept plan, comm priority normal]"] = comm_priority_normal(kept_plan())
+    if on_gpu:  # A/B: why the ring's broadcasts run below the link (the copies' streams' priority, their SMs)
+        m["coalesced_bcast[kept plan, comm priority normal]"] = with_env(kept_plan(), "COALESCED_BCAST_COMM_PRIORITY",
+                                                                         "normal")
+        for blocks in (16, 64):
+            m[f"coalesced_bcast[kept plan, copy blocks {blocks}]"] = with_env(kept_plan(), "COALESCED_BCAST_COPY_BLOCKS",
+                                                                              str(blocks))
     if on_gpu:
         m["legacy_record_stream"] = legacy_record_stream
     if case.startswith("scale"):

@@ -168,11 +168,13 @@ class Bench:
             self.measure("coalesced_bcast first (plans)", step, bucket_MiB=bucket_mib)
             for rep in range(a.reps):
                 self.measure("coalesced_bcast", step, bucket_MiB=bucket_mib, rep=rep)
-            if bucket_mib == a.buckets[0] and not self.cpu:  # A/B: the comm lanes at normal stream priority
-                os.environ["COALESCED_BCAST_COMM_PRIORITY"] = "normal"
-                for rep in range(a.reps):
-                    self.measure("coalesced_bcast comm priority normal", step, bucket_MiB=bucket_mib, rep=rep)
-                del os.environ["COALESCED_BCAST_COMM_PRIORITY"]
+            if bucket_mib == a.buckets[0] and not self.cpu:  # A/B: the comm lanes' priority, the copies' SMs
+                for what, name, value in (("comm priority normal", "COALESCED_BCAST_COMM_PRIORITY", "normal"),
+                                          ("copy blocks 32", "COALESCED_BCAST_COPY_BLOCKS", "32")):
+                    os.environ[name] = value
+                    for rep in range(a.reps):
+                        self.measure(f"coalesced_bcast {what}", step, bucket_MiB=bucket_mib, rep=rep)
+                    del os.environ[name]
             wrong = self.check_engine(dests) if dests is not None else 0
             self.emit(what="bitwise check", bucket_MiB=bucket_mib, wrong=wrong)
             if bucket_mib == a.buckets[0]:
@@ -268,7 +270,7 @@ class Bench:
         tensors (kept plan) against one flat broadcast of the buffer."""
         total = sum(math.prod(s) for _, s in specs)
         if self.rank == 1:
-            for _ in range(2 + self.a.reps):
+            for _ in range(3 + self.a.reps):  # as many measurements as ranks 0 and 2 make below
                 self.measure("idle", lambda: None)
             return
         flat = torch.empty(total, dtype=DTYPE, device=self.device)
@@ -288,6 +290,9 @@ class Bench:
             ours = coalesced_bcast.RefitReceiver(self.refit, tensors=dict(zip(names, views)))
             step = ours.receive
         self.measure("flat broadcast (unsharded)", lambda: dist.broadcast(flat, 0, group=self.refit))
+        pieces = flat.view(torch.uint8).split(self.a.buckets[0] * MiB)  # the link at the bucket size, nothing around it
+        self.measure("flat broadcast in bucket pieces (unsharded)",
+                     lambda: [dist.broadcast(p, 0, group=self.refit) for p in pieces])
         self.measure("coalesced_bcast unsharded first (plans)", step)
         for rep in range(self.a.reps):
             self.measure("coalesced_bcast unsharded", step, rep=rep)
@@ -314,11 +319,14 @@ class Bench:
         per_tensor = slowest("per-tensor full_tensor+broadcast")
         packed = slowest("packed 2x1GiB cat+broadcast")
         flat = slowest("flat broadcast (unsharded)")
+        flat_pieces = slowest("flat broadcast in bucket pieces (unsharded)")
         unsharded = slowest("coalesced_bcast unsharded")
         gbytes = next(r["gbytes"] for r in allrows if r.get("what") == "state")
         out = dict(what="summary", gbytes=gbytes, ours_sec={str(b): s for b, s in ours.items()},
                    ours_priority_normal_sec=slowest("coalesced_bcast comm priority normal", bucket_MiB=b0),
-                   per_tensor_sec=per_tensor, packed_sec=packed, flat_sec=flat, unsharded_sec=unsharded)
+                   ours_copy_blocks_32_sec=slowest("coalesced_bcast copy blocks 32", bucket_MiB=b0),
+                   per_tensor_sec=per_tensor, packed_sec=packed, flat_sec=flat, flat_in_bucket_pieces_sec=flat_pieces,
+                   unsharded_sec=unsharded)
         best = min(s for s in ours.values() if s)
         out.update(ours_GBps=gbytes / best, speedup_vs_packed=packed / best, speedup_vs_per_tensor=per_tensor / best,
                    unsharded_pct_of_flat=100 * flat / unsharded if unsharded else None,

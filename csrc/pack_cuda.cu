@@ -6,7 +6,10 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <algorithm>
 #include <climits>
+#include <cstdlib>
+#include <string>
 
 #include "copy_table.h"
 #include "pack_cuda.h"
@@ -61,38 +64,50 @@ __global__ void __launch_bounds__(kThreads) copy_bucket_kernel(
     const CopyOp* __restrict__ ops,
     int64_t num_ops,
     const Layout* __restrict__ layouts) {
-  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kChunk;
-  const int64_t end = min(begin + kChunk, nbytes);
   __shared__ int64_t first;
-  if (threadIdx.x == 0) {
-    int64_t lo = 0, hi = num_ops;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (ops[mid].bucket_offset + ops[mid].nbytes <= begin) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
+  const int64_t windows = (nbytes + kChunk - 1) / kChunk;
+  // One window per block, unless the grid was capped (copy_blocks_cap): then blocks stride over them.
+  for (int64_t w = blockIdx.x; w < windows; w += gridDim.x) {
+    const int64_t begin = w * kChunk;
+    const int64_t end = min(begin + kChunk, nbytes);
+    __syncthreads();  // every thread is done with the last window's `first`
+    if (threadIdx.x == 0) {
+      int64_t lo = 0, hi = num_ops;
+      while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (ops[mid].bucket_offset + ops[mid].nbytes <= begin) {
+          lo = mid + 1;
+        } else {
+          hi = mid;
+        }
       }
+      first = lo;
     }
-    first = lo;
-  }
-  __syncthreads();
-  int64_t i = first;
-  if (i >= num_ops) return;
-  CopyOp op = ops[i];
-  for (int64_t pos = begin + threadIdx.x * kAlign; pos < end; pos += kThreads * kAlign) {
-    while (op.bucket_offset + op.nbytes <= pos) {
-      if (++i >= num_ops) return;
-      op = ops[i];
+    __syncthreads();
+    int64_t i = first;
+    if (i >= num_ops) continue;
+    CopyOp op = ops[i];
+    for (int64_t pos = begin + threadIdx.x * kAlign; pos < end; pos += kThreads * kAlign) {
+      while (op.bucket_offset + op.nbytes <= pos) {
+        if (++i >= num_ops) break;
+        op = ops[i];
+      }
+      if (i >= num_ops) break;
+      if (pos < op.bucket_offset) continue;  // alignment padding between runs
+      const int64_t in_op = pos - op.bucket_offset;
+      const int n = static_cast<int>(min(kAlign, op.nbytes - in_op));
+      copy_unit<kPack>(bucket + pos, op, in_op, n, layouts);
     }
-    if (pos < op.bucket_offset) continue;  // alignment padding between runs
-    const int64_t in_op = pos - op.bucket_offset;
-    const int n = static_cast<int>(min(kAlign, op.nbytes - in_op));
-    copy_unit<kPack>(bucket + pos, op, in_op, n, layouts);
   }
 }
 
 }  // namespace
+
+int64_t copy_blocks_cap() {
+  const char* v = std::getenv("COALESCED_BCAST_COPY_BLOCKS");  // per launch: the bench switches it between calls
+  const int64_t n = v == nullptr ? 0 : std::atoll(v);
+  return n > 0 ? n : static_cast<int64_t>(INT_MAX);
+}
 
 void launch_copy_bucket(
     uint8_t* bucket,
@@ -102,8 +117,9 @@ void launch_copy_bucket(
     const Layout* layouts,
     bool pack,
     cudaStream_t stream) {
-  const int64_t blocks = (nbytes + kChunk - 1) / kChunk;
-  TORCH_CHECK(blocks > 0 && blocks <= INT_MAX, "bucket of ", nbytes, " bytes needs ", blocks, " blocks");
+  const int64_t windows = (nbytes + kChunk - 1) / kChunk;
+  TORCH_CHECK(windows > 0 && windows <= INT_MAX, "bucket of ", nbytes, " bytes needs ", windows, " blocks");
+  const int64_t blocks = std::min(windows, copy_blocks_cap());
   if (pack) {
     copy_bucket_kernel<true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
         bucket, nbytes, ops, num_ops, layouts);

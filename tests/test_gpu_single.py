@@ -46,5 +46,9 @@ def _mixed_body(rank, world_size):
                                                           if cast else 0)
 
 
-def test_load_mixed_sources_on_one_gpu():
+@pytest.mark.parametrize("copy_blocks", [None, "2"])
+def test_load_mixed_sources_on_one_gpu(copy_blocks, monkeypatch):
+    """copy_blocks: the copy kernels' grid capped at 2 blocks (each strides over many windows)."""
+    if copy_blocks:
+        monkeypatch.setenv("COALESCED_BCAST_COPY_BLOCKS", copy_blocks)
     run_ranks(1, _mixed_body, backend="nccl", timeout=200)
