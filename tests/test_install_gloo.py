@@ -403,3 +403,28 @@ def _hsdp_body(rank, world_size):
 
 def test_hsdp_sync_module_states_on_four_ranks():
     run_ranks(4, _hsdp_body, timeout=240)
+
+
+def _cpu_refusal_body(rank, world_size):
+    from torch.distributed.fsdp import _init_utils
+    import importlib
+    inst = importlib.import_module("coalesced_bcast.install")  # the module (the package exports install())
+    unit_module = Block()
+    unit = inst._FsdpUnit(module=unit_module, group=dist.group.WORLD, cpu_ok=False)  # as over an NCCL group
+    token = inst._unit.set(unit)
+    try:
+        with coalesced_bcast.installed():
+            states = [unit_module.up.weight.detach(), unit_module.scale]
+            with pytest.raises(ValueError) as info:
+                _init_utils._check_module_states_for_sync_module_states(states)
+    finally:
+        inst._unit.reset(token)
+    msg = str(info.value)
+    # torch's own words first (its FSDP tests match them), then which tensor on which rank
+    assert msg.startswith("The module has CPU parameters or buffers when `sync_module_states=True`"), msg
+    assert "rank 0" in msg and "'<Block>.up.weight'" in msg and "[48, 24]" in msg, msg
+
+
+def test_fsdp1_cpu_refusal_keeps_torchs_message():
+    """A unit on the CPU whose group cannot broadcast CPU tensors: refused as torch refuses it, word for word."""
+    run_ranks(1, _cpu_refusal_body)

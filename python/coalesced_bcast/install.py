@@ -9,7 +9,7 @@ patching ``torch.distributed.utils`` alone would not reach FSDP1, whose ``_init_
   restore tied weights the source has and this rank lost, then retry once.
 - ``torch.distributed.fsdp._init_utils._sync_params_and_buffers``: its byte mover.
 - ``torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states``: its CPU
-  refusal; lifted when the unit's group has gloo, kept (with a clearer message) otherwise.
+  refusal; lifted when the unit's group has gloo, kept otherwise (torch's message, then the tensor's name).
 - ``torch.distributed.fsdp._init_utils._materialize_with_param_init_fn``: hands a whole unit to
   ``coalesced_bcast.fsdp.param_init_fn`` (one buffer per unit); other ``param_init_fn`` s as before.
 - ``torch.distributed.fsdp._flat_param.FlatParamHandle.flatten_tensors``: such a buffer becomes the
@@ -159,16 +159,18 @@ def _fsdp_check_module_states(original: Callable, module_states: list[torch.Tens
     if unit.cpu_ok:
         return None
     cpu = [i for i, t in enumerate(module_states) if t.device.type == "cpu"]
-    if cpu:
-        name = _tensor_names(unit.module, [module_states[cpu[0]]])[0] or f"state {cpu[0]}"
-        raise ValueError(
-            f"FSDP sync_module_states on rank {dist.get_rank()}: {len(cpu)} of the unit's "
-            f"{len(module_states)} parameters and buffers are on the CPU (first: '{name}', shape "
-            f"{list(module_states[cpu[0]].shape)}), but the process group's backend "
-            f"'{dist.get_backend(unit.group)}' cannot broadcast CPU tensors. Pass device_id= (e.g. "
-            f"torch.device('cuda', local_rank)) to FSDP so that it moves the module to the GPU before the "
-            f"sync, or use a gloo group for a CPU-only run.")
-    return None
+    if not cpu:
+        return None
+    try:  # torch's own refusal, word for word (callers and torch's tests match it), then which tensor
+        original(module_states)
+        message = "The module has CPU parameters or buffers when `sync_module_states=True`."
+    except ValueError as e:
+        message = str(e)
+    name = _tensor_names(unit.module, [module_states[cpu[0]]])[0] or f"state {cpu[0]}"
+    raise ValueError(
+        f"{message} On rank {dist.get_rank()}, {len(cpu)} of the unit's {len(module_states)} parameters and "
+        f"buffers are on the CPU (first: '{name}', shape {list(module_states[cpu[0]].shape)}), and the process "
+        f"group's backend '{dist.get_backend(unit.group)}' cannot broadcast CPU tensors; a gloo group can.")
 
 
 def _fsdp_sync_module_params_and_buffers(original: Callable, module: nn.Module, params: list[nn.Parameter],
