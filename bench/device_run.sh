@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one call on the device machine (nvidia-h200-x2):
-#   bash bench/device_run.sh [STEP...]     steps: env build gputest refittest refit bench init agree fsdp2 loadcheck soak gpuchecks timeout sanitize perf (default: all)
+#   bash bench/device_run.sh [STEP...]     steps: env build gputest refittest refit bench init agree fsdp2 loadcheck soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta (default: all but the torchsuite ones)
 # Builds the extension in place with the machine's own torch, then runs each step. Logs and results
 # go to $LOGS (default /tmp/device_run) and, after every step, into one archive $OUT/device_run.tgz
 # (the device tool returns at most 8 files, and a run cut short by its time limit still returns
@@ -60,6 +60,15 @@ for s in $steps; do
     gpuchecks) step gpuchecks 200 $RUN bench/soak.py --mode gpu-checks --out "$LOGS/soak-gpu-checks.jsonl" ;;
     timeout) step timeout 300 $PY bench/soak.py --mode timeout --out "$LOGS/soak-timeout.jsonl" ;;
     sanitize) step sanitize 400 env OUT="$LOGS" bash bench/sanitize.sh ;;
+    # PyTorch's own FSDP1 tests without and with install() (scripts/torch_suite). The device has no network
+    # and torch's wheel ships no test/ tree: the caller puts one (and expecttest) in torch_tests/, untracked.
+    # torchsuite: FSDP1's misc tests (CPU init, same model across ranks, ...) and HSDP; torchsuite_meta: meta-device init.
+    torchsuite) step torchsuite 590 env PYTHONPATH="$PWD/torch_tests/site:$PYTHONPATH" OUT="$LOGS/torch_suite" \
+        FILE_TIMEOUT=240 bash scripts/torch_suite/run.sh torch_tests/test "$PY" distributed/fsdp/test_fsdp_misc.py \
+        distributed/fsdp/test_hsdp_sync_module_states.py ;;
+    torchsuite_meta) step torchsuite_meta 590 env PYTHONPATH="$PWD/torch_tests/site:$PYTHONPATH" \
+        OUT="$LOGS/torch_suite" FILE_TIMEOUT=280 bash scripts/torch_suite/run.sh torch_tests/test "$PY" \
+        distributed/fsdp/test_fsdp_meta.py ;;
     perf) step perf 480 bash -c '
         set -e; bash bench/perf/build.sh
         R="'"$PY"' -m torch.distributed.run --standalone --nproc-per-node 2 --no-python build/perf/coalesced_bcast_perf"
