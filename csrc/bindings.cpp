@@ -6,6 +6,7 @@
 
 #include "executor.h"
 #include "host_stage.h"
+#include "load_dests.h"
 #include "pipeline.h"
 #include "plan.h"
 #include "units.h"
@@ -207,6 +208,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return bucket;
       },
       py::arg("tensors"), py::arg("threads"), py::call_guard<py::gil_scoped_release>());
+  m.def("load_dests", &load_dests, py::arg("values"), py::arg("rows"), py::arg("table"), py::arg("canon_rows"),
+        py::arg("owned_ids"), py::arg("dtensor_type"), py::arg("shard_type"), py::arg("replicate_type"),
+        py::arg("mesh_facts"), py::arg("nd_box"), py::arg("rank"),
+        "A load's model side: per kept state-dict value its unit, this rank's local tensor and box offset, the "
+        "keys cast, and what is wrong (csrc/load_dests.h)");
+  m.attr("key_mark") = kKeyMark;
   m.def("describe_tensors", &describe_tensors, py::arg("tensors"), py::arg("device"),
         "A load source's tensors: (table int64 [n, 2 + 8] of dtype, ndim, sizes; canonical index of each; "
         "[(index, why)] for those that cannot be sent)");

@@ -42,7 +42,6 @@ from .sync import DEFAULT_BUCKET_BYTES, DEFAULT_RING_DEPTH, _group_src, _resolve
 logger = logging.getLogger(__name__)
 
 _EXTRA = getattr(nn.modules.module, "_EXTRA_STATE_KEY_SUFFIX", "_extra_state")
-_MAX_DIMS = 8  # the engine's limit on a tensor's dims (csrc/copy_table.h)
 _META_CHUNK = 512 << 10  # metadata moves in pieces this size: small-pool device blocks only
 _RECORD = 4096  # bytes per rank in the verdict all_gather: 3 int64, then a UTF-8 message
 
@@ -216,7 +215,7 @@ def _describe_source(sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Mod
                      error: Optional[str], bucket_bytes: int, ring_depth: int,
                      rank: int) -> tuple[dict, list[Optional[torch.Tensor]]]:
     """The metadata every rank plans from: the keys; for the plain tensors among the values (their key
-    indices in `rows`) a C++-made table of dtype, ndim and sizes and, in `canon`, the first key that is
+    indices in `rows`) a C++-made table of dtype, ndim and sizes and, in `canon`, per row the first row that is
     the same tensor (ties are sent once); extra states (`extras`, pickled objects) and refusals (`bad`)."""
     meta: dict[str, Any] = dict(fatal=None, keys=[], rows=None, table=None, canon=None, extras={}, bad={},
                                 bucket_bytes=bucket_bytes, ring_depth=ring_depth)
@@ -246,7 +245,7 @@ def _describe_source(sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Mod
     for j, why in problems:
         meta["bad"][rows[j]] = why
     meta["rows"], meta["table"] = torch.tensor(rows, dtype=torch.int64), table
-    meta["canon"] = torch.tensor(rows, dtype=torch.int64)[canon]  # as key indices
+    meta["canon"] = canon  # as table rows
     return meta, tensors
 
 
@@ -322,7 +321,6 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
     index = {k: i for i, k in enumerate(keys)}
     extras, bad = meta["extras"], meta["bad"]
     row_of = dict(zip(meta["rows"].tolist(), range(len(meta["rows"]))))  # key index -> table row
-    table, canon = meta["table"].tolist(), meta["canon"].tolist()
     plan.missing = [k for k in model_sd if k not in index]
     plan.unexpected = [k for k in keys if k not in model_sd]
     if strict and plan.missing:
@@ -330,13 +328,8 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
     if strict and plan.unexpected:
         plan.errors.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.unexpected) + ".")
     owned = _owned_tensors(model)
-    boxes: dict = {}  # per (mesh, placements, shape): this rank's box, found once
-    units: dict[int, int] = {}  # checkpoint tensor (its canonical key) -> unit
-    unit_rows: list[list[int]] = []
-    # One destination per model tensor: a tensor named by two keys (tied) takes the last key's value,
-    # as with load_state_dict.
-    dests: dict[int, tuple[torch.Tensor, list[int]]] = {}
-    load_keys = []
+    # Key matching here; per value, its checks, unit and box in C++ (csrc/load_dests.h).
+    load_keys, values, value_rows, value_keys = [], [], [], []
     for k, v in model_sd.items():
         i = index.get(k)
         if i is None:
@@ -355,41 +348,34 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
         if j is None:
             plan.errors.append(f'"{k}": extra state on the source, but a tensor on rank {rank} (models differ)')
             continue
-        row = table[j]
-        shape = tuple(row[2:2 + row[1]])
-        if not isinstance(v, torch.Tensor) or id(v) not in owned:
-            plan.errors.append(f'"{k}": the model\'s state_dict() value is not one of its parameters or buffers '
-                               f'(a state_dict hook made a copy?), so it cannot be loaded in place.')
-            continue
-        if v.shape != shape:
-            plan.errors.append(f"size mismatch for {k}: copying a param with shape {torch.Size(shape)} from "
-                               f"checkpoint, the shape in current model is {v.shape}.")
-            continue
-        if _dtype_code(v.dtype) != row[0]:
-            if v.dtype not in _CASTABLE or row[0] not in _CASTABLE_CODES:
-                ours = _C.dtype_name(_dtype_code(v.dtype))
-                plan.errors.append(f'"{k}": the checkpoint holds {_C.dtype_name(row[0])}, the model {ours}; only '
-                                   f'real dtypes and bool are cast, complex and float8 must match.')
-                continue
-            plan.cast_keys += 1
-        c = canon[j]
-        unit = units.get(c)
-        if unit is None:
-            unit = units[c] = len(unit_rows)
-            unit_rows.append(row)
-        dest = _make_dest(k, v, shape, rank, plan.errors, boxes)
-        if dest is not None:
-            dests[id(v)] = (dest[0], [unit, *dest[1]])
+        values.append(v)
+        value_rows.append(j)
+        value_keys.append(k)
+    boxes: dict = {}  # per (mesh, placements, shape) of an n-D mesh: this rank's box, found once
+
+    def mesh_facts(mesh) -> tuple[bool, int, int, int]:
+        coord = mesh.get_coordinate()
+        one_d = mesh.ndim == 1
+        return coord is not None, coord[0] if coord is not None and one_d else 0, mesh.ndim, mesh.size(0) if one_d else 0
+
+    def nd_box(mesh, placements, shape):
+        memo = (id(mesh), id(placements), shape)  # ids: hashing placements runs Python per call
+        found = boxes.get(memo)
+        if found is None:
+            found = boxes[memo] = _dtensor_box(mesh, placements, shape)
+        return found
+
+    local, meta_t, units_t, unit_src_rows, plan.cast_keys, problems = _C.load_dests(
+        values, torch.tensor(value_rows, dtype=torch.int64), meta["table"], meta["canon"], owned, DTensor, Shard,
+        Replicate, mesh_facts, nd_box, rank)
+    plan.errors += [msg.replace(_C.key_mark, value_keys[i]) for i, msg in problems]
     plan.num_keys = len(load_keys)
     plan.digest = _digest(load_keys, extra)
     if plan.errors:
         return
     # Units in model order (ties on a rank are written in load_state_dict's order); the source's tensors
     # in the same order (by table row).
-    sources = [src_tensors[row_of[c]] for c in units] if src_tensors is not None else []
-    local = [d for d, _ in dests.values()]
-    units_t = _int64_table(unit_rows, 2 + _MAX_DIMS)
-    meta_t = _int64_table([m for _, m in dests.values()], 1 + _MAX_DIMS)
+    sources = [src_tensors[r] for r in unit_src_rows.tolist()] if src_tensors is not None else []
     if copy_threads is None:
         copy_threads = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     plan.core = _C.load_plan(units_t, sources, local, meta_t, bucket_bytes, ring_depth, rank, max(1, int(copy_threads)),
@@ -426,85 +412,20 @@ def _owned_tensors(model: nn.Module) -> set[int]:
     return owned
 
 
-def _make_dest(key: str, v: torch.Tensor, shape: tuple[int, ...], rank: int, errors: list[str],
-               boxes: dict) -> Optional[tuple[torch.Tensor, list[int]]]:
-    """(this rank's local tensor, the global offset of the box it holds, padded to _MAX_DIMS), or None
-    when it holds nothing.
-
-    ``boxes`` memoizes per mesh its coordinate and size, and per (mesh, placements, shape) the box of
-    an n-D mesh. The 1-D mesh (FSDP2's) is computed inline: a 16k-key load spends most of its host
-    time in this function, and DeviceMesh.size() alone cost about 14 us a call on torch 2.11 (2x H200
-    host), 0.2 s over 16k keys, before it was memoized."""
-    if not isinstance(v, DTensor):
-        return v, [0] * _MAX_DIMS
-    spec = v._spec
-    local = v._local_tensor
-    mesh, placements = spec.mesh, spec.placements
-    facts = boxes.get(id(mesh))
-    if facts is None:
-        facts = boxes[id(mesh)] = (mesh.get_coordinate(), mesh.ndim, mesh.size(0) if mesh.ndim == 1 else 0)
-    coord, ndim, size = facts
-    if ndim == 1 and coord is not None:
-        p = placements[0]
-        t = type(p)
-        if t is Replicate:
-            lo, local_shape = [0] * _MAX_DIMS, shape
-        elif t is Shard:  # torch.chunk's split, as DTensor's Shard uses: ceil-sized chunks, empty tails
-            d = p.dim % len(shape)
-            n = shape[d]
-            chunk = -(-n // size)
-            lo_d = min(coord[0] * chunk, n)
-            lo = [0] * _MAX_DIMS
-            lo[d] = lo_d
-            local_shape = shape[:d] + (min(lo_d + chunk, n) - lo_d,) + shape[d + 1:]
-        else:
-            errors.append(f'"{key}": placement {p} is not supported (only Shard(dim) and Replicate)')
-            return None
-    else:
-        memo = (id(mesh), id(placements), shape)  # ids: hashing placements runs Python per call
-        found = boxes.get(memo)
-        if found is None:
-            found = boxes[memo] = _dtensor_box(mesh, facts, placements, shape)
-        problem, box_lo, local_shape = found
-        if problem is not None:
-            errors.append(f'"{key}": {problem}')
-            return None
-        if box_lo is None:
-            return None
-        lo = list(box_lo) + [0] * (_MAX_DIMS - len(box_lo))
-    if local.shape != local_shape:
-        errors.append(f'"{key}": rank {rank} holds a local shard of shape {tuple(local.shape)}, but its '
-                      f'placements {placements} on a mesh of shape {tuple(mesh.shape)} give '
-                      f'{tuple(local_shape)}')
-        return None
-    return local, lo
-
-
-def _dtensor_box(mesh, facts: tuple, placements, shape: tuple[int, ...]):
-    """(problem, the global offset of this rank's box or None if it holds none, the box's shape);
-    `facts`: the mesh's (coordinate of this rank, ndim, size of a 1-D mesh)."""
+def _dtensor_box(mesh, placements, shape: tuple[int, ...]):
+    """(problem, the global offset of this rank's box or None if it holds none, the box's shape), for a
+    DTensor on a mesh of other than one dim or one this rank is not in (load_dests does 1-D meshes)."""
     bad = [p for p in placements if type(p) is not Shard and type(p) is not Replicate]
     if bad:
         return f"placement {bad[0]} is not supported (only Shard(dim) and Replicate)", None, None
-    coord, ndim, size = facts
-    if coord is None:
+    if mesh.get_coordinate() is None:
         return None, None, None
-    lo, hi = [0] * len(shape), list(shape)
-    if ndim == 1:
-        p = placements[0]
-        if type(p) is Shard:  # torch.chunk's split, as DTensor's Shard uses: ceil-sized chunks, empty tails
-            d, n = p.dim % len(shape), shape[p.dim % len(shape)]
-            chunk = -(-n // size)
-            lo[d] = min(coord[0] * chunk, n)
-            hi[d] = min(lo[d] + chunk, n)
-    else:
-        try:
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        except ImportError:  # torch < 2.5
-            from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
-        lshape, off = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
-        lo, hi = list(off), [o + s for o, s in zip(off, lshape)]
-    return None, tuple(lo), torch.Size(h - l for l, h in zip(lo, hi))
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+    lshape, off = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
+    return None, tuple(off), tuple(lshape)
 
 
 def _digest(load_keys: list[str], extra: Mapping[str, nn.Module]) -> int:

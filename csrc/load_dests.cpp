@@ -1,0 +1,220 @@
+// load dests: per kept state-dict value, the checks and the box arithmetic
+// that ran per key in Python (7 us a key on the CPU machine at 16k keys, most
+// of a load's own host time) as attribute reads and integer math here.
+#include "load_dests.h"
+
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <array>
+#include <sstream>
+#include <unordered_map>
+
+#include "cast.h"
+#include "copy_table.h"
+
+namespace coalesced_bcast {
+namespace {
+
+constexpr int64_t kWidth = 2 + kMaxDims;  // a table row: dtype, ndim, sizes
+
+struct MeshFacts {
+  bool member;
+  int64_t coord;  // on a 1-D mesh
+  int64_t ndim;
+  int64_t size;   // of a 1-D mesh
+};
+
+// As Python prints a tuple of ints: (3, 4), (3,), ().
+template <typename Sizes>
+std::string tuple_str(const Sizes& sizes) {
+  std::ostringstream s;
+  s << "(";
+  for (size_t d = 0; d < sizes.size(); ++d) s << (d ? ", " : "") << sizes[d];
+  s << (sizes.size() == 1 ? ",)" : ")");
+  return s.str();
+}
+
+std::string py_str(const py::handle& h) {
+  return py::str(h).cast<std::string>();
+}
+
+// obj.name through an interned string made once: a name made per call costs
+// its allocation and hashing, most of an attribute read.
+py::object attr(const py::handle& obj, const char* name) {
+  static std::unordered_map<const char*, PyObject*> interned;
+  auto& s = interned[name];
+  if (s == nullptr) s = PyUnicode_InternFromString(name);
+  PyObject* v = PyObject_GetAttr(obj.ptr(), s);
+  if (v == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(v);
+}
+
+}  // namespace
+
+py::tuple load_dests(
+    const py::list& values,
+    const at::Tensor& rows,
+    const at::Tensor& table,
+    const at::Tensor& canon_rows,
+    const py::set& owned_ids,
+    const py::handle& dtensor_type,
+    const py::handle& shard_type,
+    const py::handle& replicate_type,
+    const py::function& mesh_facts,
+    const py::function& nd_box,
+    int64_t rank) {
+  const auto n = static_cast<int64_t>(values.size());
+  TORCH_CHECK_VALUE(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.numel() == n, "rows must be int64 [",
+                    n, "], got ", rows.toString(), " of ", rows.numel());
+  TORCH_CHECK_VALUE(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == kWidth,
+                    "table must be int64 [R, ", kWidth, "], got ", table.toString());
+  const int64_t R = table.size(0);
+  TORCH_CHECK_VALUE(canon_rows.scalar_type() == at::kLong && canon_rows.numel() == R, "canon_rows must be int64 [",
+                    R, "], got ", canon_rows.toString());
+  const auto rows_c = rows.contiguous();
+  const auto table_c = table.contiguous();
+  const auto canon_c = canon_rows.contiguous();
+  const int64_t* row_of = rows_c.data_ptr<int64_t>();
+  const int64_t* tab = table_c.data_ptr<int64_t>();
+  const int64_t* canon = canon_c.data_ptr<int64_t>();
+
+  std::vector<at::Tensor> locals;
+  std::vector<std::array<int64_t, 1 + kMaxDims>> meta;
+  std::unordered_map<PyObject*, size_t> dest_of;  // a value named by two keys: one destination
+  std::vector<int64_t> unit_of_row(R, -1), unit_rows;
+  std::unordered_map<PyObject*, MeshFacts> facts_of;
+  int64_t cast_keys = 0;
+  py::list problems;
+  auto problem = [&](int64_t i, const std::string& msg) { problems.append(py::make_tuple(i, msg)); };
+  const std::string key = std::string("\"") + kKeyMark + "\"";
+
+  for (int64_t i = 0; i < n; ++i) {
+    PyObject* v = PyList_GET_ITEM(values.ptr(), i);
+    const int64_t j = row_of[i];
+    TORCH_CHECK_VALUE(j >= 0 && j < R, "row ", j, " of value ", i, " is not in the table of ", R);
+    const int64_t* row = tab + j * kWidth;
+    const int64_t nd = row[1];
+    bool owned = false;
+    if (THPVariable_Check(v)) {
+      py::object id = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(v));
+      owned = PySet_Contains(owned_ids.ptr(), id.ptr()) == 1;
+    }
+    if (!owned) {
+      problem(i, key + ": the model's state_dict() value is not one of its parameters or buffers (a state_dict "
+                     "hook made a copy?), so it cannot be loaded in place.");
+      continue;
+    }
+    const at::Tensor& t = THPVariable_Unpack(v);  // a DTensor: its global shape and dtype
+    const auto sizes = t.sizes();
+    bool same_shape = static_cast<int64_t>(sizes.size()) == nd;
+    for (int64_t d = 0; same_shape && d < nd; ++d) same_shape = sizes[d] == row[2 + d];
+    if (!same_shape) {
+      std::ostringstream s;
+      s << "size mismatch for " << kKeyMark << ": copying a param with shape torch.Size([";
+      for (int64_t d = 0; d < nd; ++d) s << (d ? ", " : "") << row[2 + d];
+      s << "]) from checkpoint, the shape in current model is torch.Size([";
+      for (size_t d = 0; d < sizes.size(); ++d) s << (d ? ", " : "") << sizes[d];
+      s << "]).";
+      problem(i, s.str());
+      continue;
+    }
+    const auto theirs = static_cast<c10::ScalarType>(row[0]);
+    if (t.scalar_type() != theirs) {
+      if (!castable(t.scalar_type()) || !castable(theirs)) {
+        problem(i, key + ": the checkpoint holds " + c10::toString(theirs) + ", the model " +
+                       c10::toString(t.scalar_type()) + "; only real dtypes and bool are cast, complex and float8 "
+                       "must match.");
+        continue;
+      }
+      ++cast_keys;
+    }
+    const int64_t c = canon[j];
+    TORCH_CHECK_VALUE(c >= 0 && c < R, "canonical row ", c, " of row ", j, " is not in the table of ", R);
+    if (unit_of_row[c] < 0) {
+      unit_of_row[c] = static_cast<int64_t>(unit_rows.size());
+      unit_rows.push_back(c);
+    }
+
+    // This rank's local tensor and the global offset of the box it holds.
+    std::array<int64_t, 1 + kMaxDims> m{};
+    m[0] = unit_of_row[c];
+    at::Tensor local = t;
+    std::vector<int64_t> local_shape(sizes.begin(), sizes.end());
+    const int is_dtensor = PyObject_IsInstance(v, dtensor_type.ptr());
+    if (is_dtensor < 0) throw py::error_already_set();
+    if (is_dtensor) {
+      py::handle obj(v);
+      py::object local_obj = attr(obj, "_local_tensor");
+      py::object spec = attr(obj, "_spec");
+      py::object mesh = attr(spec, "mesh");
+      py::object placements = attr(spec, "placements");
+      TORCH_CHECK_TYPE(THPVariable_Check(local_obj.ptr()), "the local tensor of value ", i, " is a ",
+                       py_str(py::type::of(local_obj)));
+      local = THPVariable_Unpack(local_obj.ptr());
+      auto found = facts_of.find(mesh.ptr());
+      if (found == facts_of.end()) {  // once per mesh: DeviceMesh's own calls cost microseconds each
+        auto f = mesh_facts(mesh).cast<std::tuple<bool, int64_t, int64_t, int64_t>>();
+        found = facts_of.emplace(mesh.ptr(), MeshFacts{std::get<0>(f), std::get<1>(f), std::get<2>(f),
+                                                       std::get<3>(f)}).first;
+      }
+      const auto& f = found->second;
+      if (f.ndim == 1 && f.member) {
+        py::object p = PyTuple_Check(placements.ptr()) && PyTuple_GET_SIZE(placements.ptr()) > 0
+                           ? py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(placements.ptr(), 0))
+                           : py::object(placements[py::int_(0)]);
+        if (p.get_type().is(shard_type)) {  // torch.chunk's split, as DTensor's Shard: ceil-sized chunks, empty tails
+          TORCH_CHECK_VALUE(nd > 0, "value ", i, " is a 0-dim DTensor placed ", py_str(p));
+          const int64_t d = ((attr(p, "dim").cast<int64_t>() % nd) + nd) % nd;
+          const int64_t len = row[2 + d];
+          const int64_t chunk = (len + f.size - 1) / f.size;
+          const int64_t lo = std::min(f.coord * chunk, len);
+          m[1 + d] = lo;
+          local_shape[d] = std::min(lo + chunk, len) - lo;
+        } else if (!p.get_type().is(replicate_type)) {
+          problem(i, key + ": placement " + py_str(p) + " is not supported (only Shard(dim) and Replicate)");
+          continue;
+        }
+      } else {
+        py::tuple shape(nd);
+        for (int64_t d = 0; d < nd; ++d) shape[d] = py::int_(row[2 + d]);
+        auto box = nd_box(mesh, placements, shape).cast<py::tuple>();
+        if (!box[0].is_none()) {
+          problem(i, key + ": " + py_str(box[0]));
+          continue;
+        }
+        if (box[1].is_none()) continue;  // this rank is not in the mesh: it holds nothing
+        auto lo = box[1].cast<std::vector<int64_t>>();
+        local_shape = box[2].cast<std::vector<int64_t>>();
+        std::copy(lo.begin(), lo.end(), m.begin() + 1);
+      }
+      if (!local.sizes().equals(local_shape)) {
+        problem(i, key + ": rank " + std::to_string(rank) + " holds a local shard of shape " +
+                       tuple_str(local.sizes()) + ", but its placements " + py_str(placements) +
+                       " on a mesh of shape " + py_str(py::tuple(mesh.attr("shape"))) + " give " +
+                       tuple_str(local_shape));
+        continue;
+      }
+    }
+    auto [it, fresh] = dest_of.emplace(v, locals.size());
+    if (fresh) {
+      locals.push_back(local);
+      meta.push_back(m);
+    } else {
+      meta[it->second] = m;  // the last key's unit, in the first key's place
+    }
+  }
+
+  auto meta_t = at::empty({static_cast<int64_t>(meta.size()), 1 + kMaxDims}, at::kLong);
+  std::copy(reinterpret_cast<const int64_t*>(meta.data()),
+            reinterpret_cast<const int64_t*>(meta.data()) + meta.size() * (1 + kMaxDims), meta_t.data_ptr<int64_t>());
+  const auto U = static_cast<int64_t>(unit_rows.size());
+  auto units_t = at::empty({U, kWidth}, at::kLong);
+  auto src_rows = at::empty({U}, at::kLong);
+  for (int64_t u = 0; u < U; ++u) {
+    std::copy(tab + unit_rows[u] * kWidth, tab + (unit_rows[u] + 1) * kWidth, units_t.data_ptr<int64_t>() + u * kWidth);
+    src_rows.data_ptr<int64_t>()[u] = unit_rows[u];
+  }
+  return py::make_tuple(locals, meta_t, units_t, src_rows, cast_keys, problems);
+}
+
+}  // namespace coalesced_bcast

@@ -1,0 +1,43 @@
+// The model side of a load, in one pass: what each kept state-dict value
+// takes (its checkpoint unit) and where this rank writes it (its local tensor
+// and the global offset of the box it holds). Python keeps the key matching
+// and words the messages with the keys.
+#pragma once
+
+#include <torch/extension.h>
+
+namespace coalesced_bcast {
+
+namespace py = pybind11;
+
+// The text that stands for a value's key in the messages load_dests returns.
+constexpr const char* kKeyMark = "\x01key\x01";
+
+// values: the model's state-dict values that key matching kept (parameters,
+// buffers, DTensors); rows: int64 [n], each one's row of the source's table;
+// table: int64 [R, 2 + kMaxDims] (dtype, ndim, sizes); canon_rows: int64 [R],
+// per row the first row that is the same tensor (ties are one unit);
+// owned_ids: the ids of the model's own parameters and buffers; the DTensor,
+// Shard and Replicate types; mesh_facts(mesh) -> (is this rank in it, its
+// coordinate on a 1-D mesh, ndim, size of a 1-D mesh), called once per mesh;
+// nd_box(mesh, placements, shape) -> (problem or None, offset or None, local
+// shape), for meshes of other than one dim.
+// Returns (local tensors, dest meta int64 [m, 1 + kMaxDims], units table
+// int64 [U, 2 + kMaxDims], each unit's source row int64 [U], keys cast,
+// [(value index, message with kKeyMark for its key)]). A tensor named by two
+// keys is one destination that takes the last key's unit, in its first key's
+// place (as a dict keeps it).
+py::tuple load_dests(
+    const py::list& values,
+    const at::Tensor& rows,
+    const at::Tensor& table,
+    const at::Tensor& canon_rows,
+    const py::set& owned_ids,
+    const py::handle& dtensor_type,
+    const py::handle& shard_type,
+    const py::handle& replicate_type,
+    const py::function& mesh_facts,
+    const py::function& nd_box,
+    int64_t rank);
+
+}  // namespace coalesced_bcast
