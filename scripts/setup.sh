@@ -40,7 +40,7 @@ rm -f "$STAMP"
 # pip on the PEP 660 editable build with this venv's torch: with wheel present, the venv's pip 23 would
 # otherwise run `setup.py develop`, which recent setuptools hands to an isolated pip without torch.
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -U setuptools wheel
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check "$TORCH_SPEC" pybind11 ninja pytest hypothesis numpy
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check "$TORCH_SPEC" pybind11 ninja pytest hypothesis numpy accelerate
 # The venv's ninja must be found by torch's build helper.
 PATH="$(cd "$VENV/bin" && pwd):$PATH" "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
   --no-build-isolation --use-pep517 -e .
