@@ -146,7 +146,7 @@ class Bench:
         specs = qwen3_moe_specs(a)
         total = sum(math.prod(s) for _, s in specs) * 2
         self.emit(what="state", tensors=len(specs), gbytes=total / 1e9)
-        model = dests = None
+        model = dests = named = None
         if self.role == "trainer":
             mesh = DeviceMesh.from_group(self.trainer, self.device.type)
             model = build_trainer(specs, self.device, mesh)
@@ -179,6 +179,7 @@ class Bench:
             self.emit(what="bitwise check", bucket_MiB=bucket_mib, wrong=wrong)
             if bucket_mib == a.buckets[0]:
                 self.soak(step, dests)
+                self.callback(ours if self.role == "trainer" else None, named, dests, bucket_mib)
             del ours, step
 
         if self.role == "engine":
@@ -198,6 +199,29 @@ class Bench:
         if not self.cpu:
             torch.cuda.empty_cache()
         self.unsharded(specs)
+
+    def callback(self, sender, named, dests, bucket_mib):
+        """The engine through a callback, as vLLM's load_weights takes weights: each (name, view) copied into
+        its tensor by the callback (torch copy_ per tensor), pieces of split tensors into their rows."""
+        if self.role == "engine":
+            for t in dests:
+                t.zero_()
+
+            @torch.no_grad()
+            def on_weights(batch):
+                for name, view in batch:
+                    named[name].copy_(view)
+                for name, flat, first, _shape in batch.pieces:
+                    named[name].view(-1)[first:first + flat.numel()].copy_(flat)
+            receiver = coalesced_bcast.RefitReceiver(self.refit, on_weights=on_weights)
+            step = receiver.receive
+        else:
+            step = sender.send
+        self.measure("coalesced_bcast callback first (plans)", step, bucket_MiB=bucket_mib)
+        for rep in range(self.a.reps):
+            self.measure("coalesced_bcast callback", step, bucket_MiB=bucket_mib, rep=rep)
+        if dests is not None:
+            self.emit(what="bitwise check", bucket_MiB=bucket_mib, receiver="callback", wrong=self.check_engine(dests))
 
     def soak(self, step, dests):
         """a.soak refits in a row, each verified; memory after each (growth = last - first)."""
@@ -325,6 +349,7 @@ class Bench:
         out = dict(what="summary", gbytes=gbytes, ours_sec={str(b): s for b, s in ours.items()},
                    ours_priority_normal_sec=slowest("coalesced_bcast comm priority normal", bucket_MiB=b0),
                    ours_copy_blocks_32_sec=slowest("coalesced_bcast copy blocks 32", bucket_MiB=b0),
+                   ours_callback_sec=slowest("coalesced_bcast callback", bucket_MiB=b0),
                    per_tensor_sec=per_tensor, packed_sec=packed, flat_sec=flat, flat_in_bucket_pieces_sec=flat_pieces,
                    unsharded_sec=unsharded)
         best = min(s for s in ours.values() if s)

@@ -8,6 +8,7 @@
 #include "host_stage.h"
 #include "load_dests.h"
 #include "pipeline.h"
+#include "refit_views.h"
 #include "plan.h"
 #include "units.h"
 #include "verify.h"
@@ -179,6 +180,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Per piece of a unit in a bucket: int64 [n, 5] of bucket, unit, first element, elements, byte offset");
   m.def("slot_views", &slot_views, py::arg("slot"), py::arg("rows"), py::arg("units"),
         "Views of one bucket's rows (bucket_units) into its slot: whole units shaped, pieces flat");
+  py::class_<SlotViews>(m, "SlotViews")
+      .def(py::init<const at::Tensor&, const at::Tensor&, std::vector<std::string>>(), py::arg("units"),
+           py::arg("rows"), py::arg("names") = std::vector<std::string>{})
+      .def_property_readonly("num_buckets", &SlotViews::num_buckets)
+      .def("views", &SlotViews::views, py::arg("bucket"), py::arg("slot"),
+           "Views of the bucket's rows into its slot: whole units shaped, pieces flat")
+      .def("batch", &SlotViews::batch, py::arg("bucket"), py::arg("slot"),
+           "(pairs, pieces) of the bucket for a refit callback: (name, view), (name, flat view, first, shape)");
   m.def(
       "_host_stage",
       [](const std::vector<at::Tensor>& tensors, int64_t threads) {

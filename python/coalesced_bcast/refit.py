@@ -134,23 +134,15 @@ def _send_object(obj: Any, pg: dist.ProcessGroup, src: int, device: torch.device
     return obj if is_src else pickle.loads(data.cpu().numpy().tobytes())
 
 
-def _bucket_rows(units: torch.Tensor, bucket_bytes: int) -> tuple[torch.Tensor, list[int]]:
-    """bucket_units' rows and, per bucket, the index of its first row (and one past the end)."""
-    rows = _C.bucket_units(units, bucket_bytes, True)
-    n_buckets = int(rows[-1, 0]) + 1 if rows.shape[0] else 0
-    starts = torch.searchsorted(rows[:, 0].contiguous(), torch.arange(n_buckets + 1)).tolist()
-    return rows, starts
-
-
 class _Hasher:
     """Per piece (bucket_units' rows) a 64-bit hash of the bytes a bucket's slot holds: what verify compares."""
 
-    def __init__(self, rows: torch.Tensor, starts: list[int], units: torch.Tensor):
-        self.rows, self.starts, self.units = rows, starts, units
+    def __init__(self, views: "_C.SlotViews"):
+        self.slot_views = views
         self.parts: list[torch.Tensor] = []
 
     def __call__(self, k: int, slot: torch.Tensor) -> None:
-        views = _C.slot_views(slot, self.rows[self.starts[k]:self.starts[k + 1]], self.units)
+        views = self.slot_views.views(k, slot)
         if views:
             self.parts.append(_C.hash_tensors(views)[:-1])
 
@@ -193,7 +185,7 @@ class RefitSender:
     # -- planning ------------------------------------------------------------------------------------
 
     def _build(self) -> None:
-        self._plan, self._error, self._rows = None, None, None
+        self._plan, self._error, self._views = None, None, None
         # The trainer group first, whatever else fails: every trainer rank must take part in the agreement.
         self.trainer_group = self._trainer_arg or next(
             (t.device_mesh.get_group() for t in self._tensors if isinstance(t, DTensor) and t.device_mesh.ndim == 1
@@ -299,8 +291,9 @@ class RefitSender:
         t_agreed = time.perf_counter()
         hasher = None
         if verify and self._is_sender:
-            rows, starts = self._bucket_rows()
-            hasher = _Hasher(rows, starts, self.units)
+            if self._views is None:
+                self._views = _C.SlotViews(self.units, _C.bucket_units(self.units, self.bucket_bytes, True))
+            hasher = _Hasher(self._views)
         try:
             seconds, ring = self._plan.refit_send(self.trainer_group, self.refit_group if self._is_sender else None,
                                                   self.src, timeout.total_seconds() if timeout else 0.0, hasher)
@@ -316,11 +309,6 @@ class RefitSender:
             logger.info("coalesced_bcast: refit sent %d tensors (%.3f GiB, %d buckets) in %.3f s", stats.tensors,
                         stats.bytes / 2**30, stats.buckets, stats.seconds)
         return stats
-
-    def _bucket_rows(self):
-        if self._rows is None:
-            self._rows = _bucket_rows(self.units, self.bucket_bytes)
-        return self._rows
 
     def _agree(self, error: Optional[str], timeout: Optional[timedelta], verify: bool) -> None:
         """Trainer ranks, then the refit group, then the sender's verdict back to the trainer ranks."""
@@ -464,40 +452,20 @@ class RefitReceiver:
             return str(e)
         self._meta = meta
         self._dest_keys = dest_keys
-        self._rows = _bucket_rows(units, bucket_bytes)
-        rows, starts = self._rows
-        self._views = None
-        if self._on_weights is not None:
-            per_bucket = []
-            r = rows.tolist()
-            numel = [int(torch.tensor(units[i, 2:2 + int(units[i, 1])].tolist() or [1]).prod()) for i in
-                     range(units.shape[0])]
-            for k in range(len(starts) - 1):
-                part = r[starts[k]:starts[k + 1]]
-                per_bucket.append([(names[u], first, count, first == 0 and count == numel[u],
-                                    tuple(units[u, 2:2 + int(units[u, 1])].tolist())) for _, u, first, count, _ in part])
-            self._views = per_bucket
+        self._rows = _C.bucket_units(units, bucket_bytes, True)
+        self._views = _C.SlotViews(units, self._rows, list(names))  # per bucket: views, callback batches
         self.digest = meta["digest"]
         return None
 
     def _hook(self, hasher: Optional[_Hasher]):
         if self._on_weights is None and hasher is None:
             return None
-        rows, starts = self._rows
-        units = self._meta["units"]
 
         def hook(k: int, slot: torch.Tensor) -> None:
             if hasher is not None:
                 hasher(k, slot)
             if self._on_weights is not None:
-                views = _C.slot_views(slot, rows[starts[k]:starts[k + 1]], units)
-                pairs, pieces = [], []
-                for (name, first, _count, whole, shape), v in zip(self._views[k], views):
-                    if whole:
-                        pairs.append((name, v))
-                    else:
-                        pieces.append((name, v, first, shape))
-                self._on_weights(RefitBatch(pairs, pieces))
+                self._on_weights(RefitBatch(*self._views.batch(k, slot)))
         return hook
 
     @gc_paused
@@ -529,7 +497,7 @@ class RefitReceiver:
             raise AgreementError(f"coalesced_bcast refit: nothing was sent. {msg}")
         t_agreed = time.perf_counter()
         verify = bool(flags & _FLAG_VERIFY)
-        hasher = _Hasher(*self._rows, self._meta["units"]) if verify else None
+        hasher = _Hasher(self._views) if verify else None
         try:
             seconds, ring, _ = self._plan.broadcast(pg, self.src, timeout.total_seconds() if timeout else 0.0,
                                                     None, 0.0, self._hook(hasher))
@@ -544,7 +512,7 @@ class RefitReceiver:
     def _dest_hashes(self, hashes: torch.Tensor) -> torch.Tensor:
         """In place, a row's hash is of the destination's own elements where it holds the wire's dtype (what the
         engine reads), else of the bytes the slot held (a cast's result is not the sender's bytes)."""
-        rows, _ = self._rows
+        rows = self._rows
         units = self._meta["units"]
         names = self._meta["names"]
         views, where = [], []
@@ -569,8 +537,7 @@ class RefitReceiver:
         diff = (mine.to(ctrl) != theirs).nonzero()
         problem = ""
         if diff.numel():
-            rows, _ = self._rows
-            _, u, first, count, _ = rows[int(diff[0, 0])].tolist()
+            _, u, first, count, _ = self._rows[int(diff[0, 0])].tolist()
             problem = (f"'{self._meta['names'][u]}' (elements {first}..{first + count}) differs from the sender's "
                        f"on refit rank {pg.rank()}")
         table = _gather(_record(_REFUSED if problem else _OK, 0, 0, 0, problem), pg, ctrl, timeout)
