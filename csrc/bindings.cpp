@@ -74,27 +74,6 @@ BucketHook as_hook(const std::optional<py::function>& fn) {
   };
 }
 
-// Views of `rows` (bucket_units' rows of one bucket) into that bucket's slot:
-// a unit whole in it with its shape, a piece of one flat.
-std::vector<at::Tensor> slot_views(const at::Tensor& slot, const at::Tensor& rows, const at::Tensor& units_table) {
-  // Offsets come from the rows: the stream's layout (whole_in or not) does not matter here.
-  TORCH_CHECK_VALUE(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.size(1) == 5 && rows.is_cpu(),
-                    "rows must be bucket_units' int64 [n, 5] rows");
-  const auto units = read_units(units_table);
-  const auto r = rows.contiguous();
-  const auto* p = r.data_ptr<int64_t>();
-  std::vector<at::Tensor> out;
-  out.reserve(r.size(0));
-  for (int64_t i = 0; i < r.size(0); ++i, p += 5) {
-    TORCH_CHECK_VALUE(p[1] >= 0 && p[1] < static_cast<int64_t>(units.size()), "row ", i, " names unit ", p[1]);
-    const auto& u = units[p[1]];
-    TORCH_CHECK_VALUE(p[4] >= 0 && p[4] + p[3] * u.elem_size <= slot.numel(), "row ", i, " is outside the slot");
-    auto v = slot.narrow(0, p[4], p[3] * u.elem_size).view(u.dtype);
-    out.push_back(p[2] == 0 && p[3] == u.numel ? v.view(at::IntArrayRef(u.sizes, u.ndim)) : v);
-  }
-  return out;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -178,8 +157,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("bucket_units", &bucket_units, py::arg("units"), py::arg("bucket_bytes"), py::arg("whole") = false,
         "Per piece of a unit in a bucket: int64 [n, 5] of bucket, unit, first element, elements, byte offset");
-  m.def("slot_views", &slot_views, py::arg("slot"), py::arg("rows"), py::arg("units"),
-        "Views of one bucket's rows (bucket_units) into its slot: whole units shaped, pieces flat");
   py::class_<SlotViews>(m, "SlotViews")
       .def(py::init<const at::Tensor&, const at::Tensor&, std::vector<std::string>>(), py::arg("units"),
            py::arg("rows"), py::arg("names") = std::vector<std::string>{})

@@ -47,6 +47,7 @@ def test_packs_and_permutes_rebuild_the_stream(device, world, sender):
                                    [f"t{i}" for i in range(len(full))]))
         held.append(locals_)
     rows = _C.bucket_units(units, B, True)
+    views = _C.SlotViews(units, rows, [f"t{i}" for i in range(len(full))])
     chunk_bytes = _C._refit_chunk_bytes(plans[sender])
     load = _C.load_plan(units, [], [], torch.zeros((0, 9), dtype=torch.int64), B, 2, 0, 1, device,
                         whole_units=True)
@@ -62,7 +63,15 @@ def test_packs_and_permutes_rebuild_the_stream(device, world, sender):
         if world > 1 and cb:
             _C._refit_copy(plans[sender], k, True, gathered, slot)
         mine = rows[rows[:, 0] == k]
-        for (_, u, first, count, _), view in zip(mine.tolist(), _C.slot_views(slot, mine, units)):
+        # a callback's batch: whole tensors as (name, shaped view), the rest as pieces with their place
+        pairs, pieces = views.batch(k, slot)
+        whole = [(u, first, count) for _, u, first, count, _ in mine.tolist() if first == 0 and count == full[u].numel()]
+        assert [n for n, _ in pairs] == [f"t{u}" for u, _, _ in whole]
+        assert all(v.shape == full[u].shape for (_, v), (u, _, _) in zip(pairs, whole))
+        assert [(n, f, tuple(s)) for n, _, f, s in pieces] == [
+            (f"t{u}", first, tuple(full[u].shape)) for _, u, first, count, _ in mine.tolist()
+            if not (first == 0 and count == full[u].numel())]
+        for (_, u, first, count, _), view in zip(mine.tolist(), views.views(k, slot)):
             want = full[u].to(wire[u]).reshape(-1)[first:first + count]
             assert same_bits(view.reshape(-1), want), f"bucket {k}: tensor {u} elements {first}..{first + count}"
     # Every element of every tensor is in exactly one bucket's rows.
