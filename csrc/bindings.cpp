@@ -74,6 +74,22 @@ BucketHook as_hook(const std::optional<py::function>& fn) {
   };
 }
 
+// The first i whose owners[i][keys[i]] is no longer tensors[i] (a module's parameter or buffer
+// assigned anew since a kept plan was made), or -1: a kept module plan's check on every run.
+int64_t first_replaced(const py::list& owners, const py::list& keys, const py::list& tensors) {
+  const auto n = static_cast<int64_t>(tensors.size());
+  TORCH_CHECK_VALUE(static_cast<int64_t>(owners.size()) == n && static_cast<int64_t>(keys.size()) == n,
+                    "first_replaced takes lists of one length, got ", owners.size(), ", ", keys.size(), ", ", n);
+  for (int64_t i = 0; i < n; ++i) {
+    PyObject* owner = PyList_GET_ITEM(owners.ptr(), i);
+    PyObject* key = PyList_GET_ITEM(keys.ptr(), i);
+    PyObject* now = PyDict_Check(owner) ? PyDict_GetItemWithError(owner, key) : nullptr;  // borrowed
+    if (now == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    if (now != PyList_GET_ITEM(tensors.ptr(), i)) return i;
+  }
+  return -1;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -194,6 +210,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return bucket;
       },
       py::arg("tensors"), py::arg("threads"), py::call_guard<py::gil_scoped_release>());
+  m.def("first_replaced", &first_replaced, py::arg("owners"), py::arg("keys"), py::arg("tensors"),
+        "The first i with owners[i][keys[i]] not tensors[i], or -1");
   m.def("load_dests", &load_dests, py::arg("values"), py::arg("rows"), py::arg("table"), py::arg("canon_rows"),
         py::arg("owned_ids"), py::arg("dtensor_type"), py::arg("shard_type"), py::arg("replicate_type"),
         py::arg("mesh_facts"), py::arg("nd_box"), py::arg("rank"),

@@ -132,17 +132,17 @@ class SyncPlan:
     """
 
     def __init__(self, tensors: Optional[list], src: int, group: Optional[dist.ProcessGroup], names, options: dict,
-                 module_slots: Optional[Callable[[], list]] = None):
+                 module_slots: Optional[Callable[[], tuple]] = None):
         self._t0 = time.perf_counter()
         self.src, self._options = src, options
         self._pg = _resolve_group(group)
         self._rank = dist.get_rank()
         self._names = _Names(names) if callable(names) else list(names) if names is not None else []
         self._module_slots = module_slots
-        self._slots: Optional[list] = None
+        self._slots: Optional[tuple] = None  # (owners, keys, tensors): _module_slots
         if module_slots is not None:
             self._slots = module_slots()
-            tensors = [t for _, _, t in self._slots]
+            tensors = self._slots[2]
         self._tensors = tensors
         self._plan, self._error, self._src_group = None, None, None
         self._rerouted = 0
@@ -179,11 +179,11 @@ class SyncPlan:
     def _changed(self) -> Optional[str]:
         """What changed since the plan was made, in words; None if nothing."""
         if self._slots is not None:
-            for i, (owner, key, t) in enumerate(self._slots):
-                if owner.get(key) is not t:
-                    label = f"tensor {i} ('{self._names[i]}')" if i < len(self._names) else f"tensor {i}"
-                    return (f"{label} on rank {self._rank} was replaced by another object since the plan was made "
-                            f"(a parameter or buffer assigned anew)")
+            i = _C.first_replaced(*self._slots)
+            if i >= 0:
+                label = f"tensor {i} ('{self._names[i]}')" if i < len(self._names) else f"tensor {i}"
+                return (f"{label} on rank {self._rank} was replaced by another object since the plan was made "
+                        f"(a parameter or buffer assigned anew)")
         if self._plan is not None:
             return self._plan.check_unchanged() or None
         return None
@@ -204,7 +204,7 @@ class SyncPlan:
         elif changed is not None:
             if self._module_slots is not None:
                 self._slots = self._module_slots()
-                self._tensors = [t for _, _, t in self._slots]
+                self._tensors = self._slots[2]
             self._build()
             error = self._error
         return self._send(timeout, verify, error)
@@ -315,16 +315,21 @@ def module_states(module: nn.Module, include_buffers: bool = True) -> tuple[list
     return [n for n, _ in named], [t for _, t in named]
 
 
-def _module_slots(module: nn.Module, include_buffers: bool) -> list[tuple[dict, str, torch.Tensor]]:
-    """(the dict that holds it, its key, the tensor) for every parameter and buffer, tied names kept, in
-    module_states' order: a kept plan checks each dict still holds the same object."""
-    slots: list = []
-    for _, m in module.named_modules(remove_duplicate=False):
-        slots += [(m._parameters, k, p) for k, p in m._parameters.items() if p is not None]
-    if include_buffers:
+def _module_slots(module: nn.Module, include_buffers: bool) -> tuple[list[dict], list[str], list[torch.Tensor]]:
+    """The dicts that hold them, their keys and the tensors, for every parameter and buffer, tied names
+    kept, in module_states' order: a kept plan checks each dict still holds the same object."""
+    owners: list = []
+    keys: list = []
+    tensors: list = []
+    for attr in ("_parameters", "_buffers") if include_buffers else ("_parameters",):
         for _, m in module.named_modules(remove_duplicate=False):
-            slots += [(m._buffers, k, b) for k, b in m._buffers.items() if b is not None]
-    return slots
+            d = getattr(m, attr)
+            for k, t in d.items():
+                if t is not None:
+                    owners.append(d)
+                    keys.append(k)
+                    tensors.append(t)
+    return owners, keys, tensors
 
 
 def sync_module(
