@@ -1,7 +1,7 @@
 """install() hands a sync to torch's own function where coalesced_bcast cannot drive the group, on every
 rank alike, and records why: a group torch.distributed does not know (made by hand, as torch's own c10d
-tests make them) and a ProcessGroup implemented in Python. Both still sync bitwise, as torch's path does;
-a registered group is still served."""
+tests make them), a ProcessGroup implemented in Python, and torch's multi-threaded test group. All still
+sync bitwise, as torch's path does; a registered group is still served."""
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -90,3 +90,56 @@ def _python_group_body(rank, world_size):
 
 def test_ddp_sync_over_a_python_group_falls_back():
     run_ranks(2, _python_group_body)
+
+
+def test_ddp_init_over_torchs_threaded_test_group_falls_back():
+    """Torch's multi-threaded test group (ranks are threads of one process, its ProcessLocalGroup a
+    ProcessGroup implemented in Python): DDP's init with install() syncs as torch's own path does, and
+    the call is recorded as handed back, with the reason, on every rank."""
+    import threading
+    try:
+        from torch.testing._internal.distributed import multi_threaded_pg as mt
+    except ImportError as e:  # pragma: no cover
+        import pytest
+        pytest.skip(f"this torch has no threaded test group: {e}")
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    world = 2
+    store = dist.HashStore()
+    results, errors = {}, []
+
+    def rank_main(rank):
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
+            model = DDP(_net(rank))
+            out = [None] * world
+            dist.all_gather_object(out, [t.detach().clone() for t in model.module.state_dict().values()])
+            results[rank] = out
+            dist.destroy_process_group()
+        except BaseException as e:  # reported by the main thread; the other ranks are woken, not left waiting
+            errors.append((rank, e))
+            mt.ProcessLocalGroup.exception_handle(e)
+
+    isolate = getattr(torch._C._distributed_c10d, "_set_thread_isolation_mode", None)  # as torch's test case does
+    if isolate is not None:
+        isolate(True)
+    mt._install_threaded_pg()
+    coalesced_bcast.patched_calls(clear=True)
+    try:
+        with coalesced_bcast.installed():
+            threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+    finally:
+        mt._uninstall_threaded_pg()
+        if isolate is not None:
+            isolate(False)
+    assert not errors, errors
+    assert all(not t.is_alive() for t in threads), "a rank thread hung"
+    for rank in range(world):  # every rank ends with rank 0's values, bitwise
+        for mine, src in zip(results[rank][rank], results[rank][0]):
+            assert torch.equal(mine.view(-1).view(torch.uint8), src.view(-1).view(torch.uint8)), rank
+    calls = coalesced_bcast.patched_calls()
+    assert [c.site for c in calls] == ["ddp"] * world and all(c.stats is None for c in calls), calls
+    assert all("ProcessLocalGroup" in c.fallback for c in calls), calls
