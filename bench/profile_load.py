@@ -1,7 +1,8 @@
 """Where a load's host time goes: cProfile of load_full_state_dict on rank 0 for an FSDP2 model of many
-small tensors (default 16,384), the source state pinned on rank 0's CPU.
+small tensors (default 16,384), the source state pinned on rank 0's CPU; with --phases, no profiler:
+the wall time of each phase of the load (state_dict.py's functions), the last of 4 loads.
 
-    python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_load.py [--count N] [--out FILE]
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_load.py [--count N] [--phases] [--out FILE]
 """
 import argparse
 import cProfile
@@ -26,6 +27,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--count", type=int, default=16384)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--phases", action="store_true", help="time each phase instead of profiling")
     args = ap.parse_args()
     device = dist_setup.init()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -38,6 +40,10 @@ def main():
     if dist.get_rank() == 0:
         pin = device.type == "cuda"
         sd = {k: torch.zeros(v.shape, dtype=torch.bfloat16, pin_memory=pin) for k, v in model.state_dict().items()}
+    if args.phases:
+        phases(model, sd, args)
+        dist.destroy_process_group()
+        return
     for _ in range(2):  # warm-up
         coalesced_bcast.load_full_state_dict(model, sd)
     prof = cProfile.Profile()
@@ -55,6 +61,48 @@ def main():
             with open(args.out, "w") as f:
                 f.write(s.getvalue())
     dist.destroy_process_group()
+
+
+PHASES = ["_model_device", "_describe_source", "_broadcast_meta", "_plan_local", "_agree", "_transfer",
+          "_run_post_hooks"]
+
+
+def phases(model, sd, args):
+    """Each phase's wall time (state_dict.py's functions wrapped with a timer), the last of 4 loads."""
+    from coalesced_bcast import state_dict as S
+    spent = dict.fromkeys(PHASES, 0.0)
+
+    def timed(name, fn):
+        def run(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        return run
+
+    for name in PHASES:
+        setattr(S, name, timed(name, getattr(S, name)))
+    for _ in range(4):
+        for name in PHASES:
+            spent[name] = 0.0
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        coalesced_bcast.load_full_state_dict(model, sd)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    if dist.get_rank() == 0:
+        n = args.count
+        lines = [f"load of {n} keys over {dist.get_world_size()} ranks ({torch.__version__}): {wall * 1e3:.1f} ms, "
+                 f"{wall / n * 1e6:.2f} us per key"]
+        lines += [f"  {k:18s} {v * 1e3:8.1f} ms {v / n * 1e6:6.2f} us/key" for k, v in spent.items()]
+        text = "\n".join(lines) + "\n"
+        print(text, flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
 
 
 if __name__ == "__main__":
