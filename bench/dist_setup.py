@@ -3,6 +3,7 @@ enough GPUs (and the CPU was not asked for), else gloo on the CPU."""
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 from typing import Optional
 
@@ -22,3 +23,26 @@ def init(cpu: bool = False, timeout: Optional[timedelta] = None) -> torch.device
         device = torch.device("cpu")
         dist.init_process_group("gloo", **kw)
     return device
+
+
+def timed(fn, cuda: bool):
+    """fn() after a barrier (every rank starts together): (its result, wall seconds up to the device being
+    done, peak bytes allocated and reserved above the start on this rank, 0 without CUDA)."""
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+    sync()
+    dist.barrier()
+    sync()
+    base_a = base_r = 0
+    if cuda:
+        torch.cuda.empty_cache()
+        base_a, base_r = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    sec = time.perf_counter() - t0
+    if not cuda:
+        return out, sec, 0, 0
+    return out, sec, torch.cuda.max_memory_allocated() - base_a, torch.cuda.max_memory_reserved() - base_r

@@ -192,21 +192,10 @@ class Bench:
         self.rows.append(row)
 
     def measure(self, fn) -> dict:
-        self.sync()
-        dist.barrier()
-        self.sync()
-        if not self.cpu:
-            torch.cuda.empty_cache()
-            base_a, base_r = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        out = fn()
-        self.sync()
-        sec = time.perf_counter() - t0
+        out, sec, extra_a, extra_r = dist_setup.timed(fn, not self.cpu)
         row = dict(sec=sec)
         if not self.cpu:
-            row.update(extra_alloc_GiB=(torch.cuda.max_memory_allocated() - base_a) / GiB,
-                       extra_reserved_GiB=(torch.cuda.max_memory_reserved() - base_r) / GiB)
+            row.update(extra_alloc_GiB=extra_a / GiB, extra_reserved_GiB=extra_r / GiB)
         if isinstance(out, coalesced_bcast.LoadStats):
             row.update(ring_bytes=out.ring_bytes, host_ring_bytes=out.host_ring_bytes, buckets=out.buckets)
         return row

@@ -33,6 +33,7 @@ from torch.distributed.fsdp import fully_shard
 
 import coalesced_bcast
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dist_setup  # noqa: E402
 from fsdp2_load import local_range, pattern  # noqa: E402
 
 GiB, MiB = 2**30, 2**20
@@ -106,19 +107,10 @@ class Bench:
 
     def measure(self, what: str, fn, **extra) -> dict:
         """fn on every rank between barriers; wall time, and the peak memory above the start on this rank."""
-        self.sync()
-        dist.barrier()
+        out, sec, extra_a, extra_r = dist_setup.timed(fn, not self.cpu)
+        row = dict(what=what, sec=sec, **extra)
         if not self.cpu:
-            torch.cuda.empty_cache()
-            base_a, base_r = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        out = fn()
-        self.sync()
-        row = dict(what=what, sec=time.perf_counter() - t0, **extra)
-        if not self.cpu:
-            row.update(extra_alloc_MiB=(torch.cuda.max_memory_allocated() - base_a) / MiB,
-                       extra_reserved_MiB=(torch.cuda.max_memory_reserved() - base_r) / MiB)
+            row.update(extra_alloc_MiB=extra_a / MiB, extra_reserved_MiB=extra_r / MiB)
         if isinstance(out, coalesced_bcast.RefitStats):
             row.update(ring_MiB=out.ring_bytes / MiB, buckets=out.buckets, gbytes=out.bytes / 1e9)
         self.emit(**row)
