@@ -218,6 +218,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A load's model side: per kept state-dict value its unit, this rank's local tensor and box offset, the "
         "keys cast, and what is wrong (csrc/load_dests.h)");
   m.attr("key_mark") = kKeyMark;
+  m.def("model_devices", &model_devices, py::arg("values"), py::arg("dtensor_type"),
+        "The distinct devices of the tensors (DTensors: local tensors) with elements, and the first on meta (-1)");
   m.def("describe_tensors", &describe_tensors, py::arg("tensors"), py::arg("device"),
         "A load source's tensors: (table int64 [n, 2 + 8] of dtype, ndim, sizes; canonical index of each; "
         "[(index, why)] for those that cannot be sent)");

@@ -5,6 +5,7 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <array>
 #include <sstream>
 #include <unordered_map>
@@ -215,6 +216,28 @@ py::tuple load_dests(
     src_rows.data_ptr<int64_t>()[u] = unit_rows[u];
   }
   return py::make_tuple(locals, meta_t, units_t, src_rows, cast_keys, problems);
+}
+
+std::tuple<std::vector<c10::Device>, int64_t> model_devices(const py::list& values, const py::handle& dtensor_type) {
+  std::vector<c10::Device> devices;
+  const auto n = static_cast<int64_t>(values.size());
+  for (int64_t i = 0; i < n; ++i) {
+    PyObject* v = PyList_GET_ITEM(values.ptr(), i);
+    if (!THPVariable_Check(v)) continue;  // extra state, or anything else a state_dict hook put there
+    const int is_dtensor = PyObject_IsInstance(v, dtensor_type.ptr());
+    if (is_dtensor < 0) throw py::error_already_set();
+    py::object local_obj;
+    if (is_dtensor) {
+      local_obj = attr(py::handle(v), "_local_tensor");
+      if (!THPVariable_Check(local_obj.ptr())) continue;
+    }
+    const at::Tensor& t = THPVariable_Unpack(is_dtensor ? local_obj.ptr() : v);
+    if (t.is_meta()) return {devices, i};
+    if (t.numel() > 0 && std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
+      devices.push_back(t.device());
+    }
+  }
+  return {devices, -1};
 }
 
 }  // namespace coalesced_bcast

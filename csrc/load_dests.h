@@ -40,4 +40,8 @@ py::tuple load_dests(
     const py::function& nd_box,
     int64_t rank);
 
+// The devices (distinct, in order of appearance) that the tensors among `values` (DTensors: their local
+// tensors) with elements are on, and the index of the first one on the meta device (-1: none).
+std::tuple<std::vector<c10::Device>, int64_t> model_devices(const py::list& values, const py::handle& dtensor_type);
+
 }  // namespace coalesced_bcast

@@ -182,20 +182,16 @@ def _extra_state_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 def _model_device(model_sd: Mapping[str, Any], extra: Mapping[str, nn.Module],
                   pg: dist.ProcessGroup) -> torch.device:
-    devices = set()
-    for k, v in model_sd.items():
-        if k in extra or not isinstance(v, torch.Tensor):
-            continue
-        local = v._local_tensor if isinstance(v, DTensor) else v
-        if local.is_meta:
-            raise ValueError(f"'{k}' is on the meta device: materialize the model first "
-                             f"(model.to_empty(device=...))")
-        if local.numel():
-            devices.add(local.device)
+    keys = [k for k in model_sd if k not in extra] if extra else list(model_sd)
+    values = [model_sd[k] for k in keys] if extra else list(model_sd.values())
+    devices, meta = _C.model_devices(values, DTensor)  # one C++ pass over the values
+    if meta >= 0:
+        raise ValueError(f"'{keys[meta]}' is on the meta device: materialize the model first "
+                         f"(model.to_empty(device=...))")
     if len(devices) > 1:
         raise ValueError(f"the model's tensors are on several devices ({sorted(map(str, devices))}); "
                          f"load_full_state_dict needs them on one")
-    device = devices.pop() if devices else _control_device(pg)
+    device = devices[0] if devices else _control_device(pg)
     backend = str(dist.get_backend(pg))
     if device.type == "cpu" and "gloo" not in backend:
         raise ValueError(f"the model is on the CPU but the group's backend is {backend}: use a gloo group")
