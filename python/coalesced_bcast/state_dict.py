@@ -390,7 +390,6 @@ _CODES: dict[torch.dtype, int] = {}
 #: What the engine casts between (csrc/cast.h: castable()).
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
              torch.int32, torch.int64, torch.bool)
-_CASTABLE_CODES = {_C.scalar_type_code(d) for d in _CASTABLE}
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
