@@ -6,6 +6,7 @@
 
 #include "executor.h"
 #include "host_stage.h"
+#include "host_wait.h"
 #include "load_dests.h"
 #include "pipeline.h"
 #include "refit_views.h"
@@ -210,6 +211,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return bucket;
       },
       py::arg("tensors"), py::arg("threads"), py::call_guard<py::gil_scoped_release>());
+  m.def("wait_stream", &wait_stream, py::arg("device"), py::arg("seconds"), py::call_guard<py::gil_scoped_release>(),
+        "Wait on the host for the work queued on the device's current stream; False once `seconds` passed");
+  m.def(
+      "poll_until",
+      [](const py::function& done, double seconds) { return poll_until([&] { return done().cast<bool>(); }, seconds); },
+      py::arg("done"), py::arg("seconds"), "wait_stream's loop over a Python predicate (for tests)");
+  py::class_<ControlStream>(m, "ControlStream", "A per-device side stream made current for a with-block")
+      .def(py::init<c10::Device>(), py::arg("device"))
+      .def("__enter__", [](ControlStream& s) { s.enter(); })
+      .def("__exit__", [](ControlStream& s, const py::args&) {
+        s.exit();
+        return false;
+      });
   m.def("first_replaced", &first_replaced, py::arg("owners"), py::arg("keys"), py::arg("tensors"),
         "The first i with owners[i][keys[i]] not tensors[i], or -1");
   m.def("load_dests", &load_dests, py::arg("values"), py::arg("rows"), py::arg("table"), py::arg("canon_rows"),
@@ -252,6 +266,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_host_runs", [](const Plan& p) { return p.host_ops.size(); })
       .def_property_readonly("num_permute_runs", [](const Plan& p) { return p.permute.size(); })
       .def_property_readonly("chunk_slot_bytes", [](const Plan& p) { return p.chunk_slot_bytes; })
+      .def_property_readonly("direct_buckets", [](const Plan& p) { return p.direct_buckets; })
       .def(
           "refit_send",
           [](const Plan& plan, const std::optional<c10::intrusive_ptr<c10d::ProcessGroup>>& trainer,

@@ -473,30 +473,43 @@ def test_rank_dead_before_the_call_three_ranks(tmp_path):
         assert r["type"] == "CollectiveError" and r["seconds"] < 3 + SLACK_S, (rank, r)
 
 
-class _Event:
-    """Stands in for a torch.cuda.Event: done after `after` queries (never when None)."""
+class _Done:
+    """A predicate that turns true after `after` calls (never when None)."""
 
     def __init__(self, after):
-        self.after, self.queries = after, 0
+        self.after, self.calls = after, 0
 
-    def query(self):
-        self.queries += 1
-        return self.after is not None and self.queries > self.after
+    def __call__(self):
+        self.calls += 1
+        return self.after is not None and self.calls > self.after
 
 
 def _host_wait_body(rank, world_size):
-    # The host-side deadline that replaces NCCL's process teardown (agree.wait_event): an event that
-    # never completes raises CollectiveError once the deadline passes, one that completes returns.
-    pg = dist.group.WORLD
+    # The host-side deadline that replaces NCCL's process teardown. The C++ loop (_C.poll_until, which
+    # _C.wait_stream runs over an event recorded on the device's current stream): a predicate that
+    # turns true returns True, one that never does returns False once the deadline passes.
+    done = _Done(after=50)
+    assert _C.poll_until(done, 5.0) is True and done.calls == 51
     t0 = time.monotonic()
-    done = _Event(after=50)
-    agree.wait_event(done, "the test collective", pg, timedelta(seconds=5), t0)
-    assert done.queries == 51
-    t0 = time.monotonic()
-    with pytest.raises(agree.CollectiveError, match=r"the test collective over 1 ranks did not finish on rank 0 "
-                                                   r"within 0\.3 s"):
-        agree.wait_event(_Event(after=None), "the test collective", pg, timedelta(seconds=0.3), t0)
+    assert _C.poll_until(_Done(after=None), 0.3) is False
     assert 0.3 <= time.monotonic() - t0 < 5
+    assert _C.wait_stream(torch.device("cpu"), 0.0) is True  # nothing is queued on the CPU
+    # agree.wait_device: what is left of the deadline goes to the C++ wait, a missed one is a CollectiveError.
+    pg = dist.group.WORLD
+    asked = []
+    real = _C.wait_stream
+    try:
+        _C.wait_stream = lambda device, seconds: asked.append((device, seconds)) or True
+        agree.wait_device(torch.device("cuda", 0), "the test collective", pg, timedelta(seconds=5),
+                          time.monotonic() - 1)
+        assert asked[0][0] == torch.device("cuda", 0) and 3.5 < asked[0][1] <= 4.0, asked
+        _C.wait_stream = lambda device, seconds: False
+        with pytest.raises(agree.CollectiveError, match=r"the test collective over 1 ranks did not finish on rank 0 "
+                                                       r"within 0\.3 s"):
+            agree.wait_device(torch.device("cuda", 0), "the test collective", pg, timedelta(seconds=0.3),
+                              time.monotonic())
+    finally:
+        _C.wait_stream = real
     # a CPU tensor needs no wait
     t = torch.arange(3)
     assert agree.to_host(t, "x", pg, None, time.monotonic()) is t

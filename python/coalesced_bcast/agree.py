@@ -119,33 +119,28 @@ def _deadline(pg: dist.ProcessGroup, timeout: Optional[timedelta]) -> timedelta:
     return timedelta(minutes=10)
 
 
-def wait_event(done: torch.cuda.Event, what: str, pg: dist.ProcessGroup, timeout: Optional[timedelta],
-               t0: float) -> None:
-    """Wait on the host until `done` has happened on the device, or raise CollectiveError once the
-    deadline (`timeout`, else the group's) counted from `t0` (time.monotonic()) has passed."""
+def wait_device(device: torch.device, what: str, pg: dist.ProcessGroup, timeout: Optional[timedelta],
+                t0: float) -> None:
+    """Wait on the host until the work queued so far on `device`'s current stream is done, or raise
+    CollectiveError once the deadline (`timeout`, else the group's) counted from `t0` (time.monotonic())
+    has passed. The wait itself is in C++ (yield-spin for 50 ms, then a 1 ms poll; GIL released)."""
+    if device.type == "cpu":
+        return
     limit = _deadline(pg, timeout).total_seconds()
-    # Yield-spin like CUDA's own default wait for the first 50 ms (the usual wait is another rank's
-    # host arriving, well under that, and FSDP1 waits once per unit), then poll every millisecond.
-    spin_until = time.monotonic() + 0.05
-    while not done.query():
-        now = time.monotonic()
-        if now - t0 > limit:
-            raise CollectiveError(
-                f"coalesced_bcast: {what} over {pg.size()} ranks did not finish on rank {process_rank(pg)} within "
-                f"{limit:g} s: a rank died, did not call the sync in time, or called another collective. The "
-                f"group is unusable now (torch's NCCL watchdog will end this process).")
-        time.sleep(0 if now < spin_until else 0.001)
+    if not _C.wait_stream(device, limit - (time.monotonic() - t0)):
+        raise CollectiveError(
+            f"coalesced_bcast: {what} over {pg.size()} ranks did not finish on rank {process_rank(pg)} within "
+            f"{limit:g} s: a rank died, did not call the sync in time, or called another collective. The "
+            f"group is unusable now (torch's NCCL watchdog will end this process).")
 
 
 def to_host(t: torch.Tensor, what: str, pg: dist.ProcessGroup, timeout: Optional[timedelta], t0: float) -> torch.Tensor:
-    """t on the CPU; for a CUDA tensor, copied on the current stream and waited for with a deadline."""
-    if t.device.type != "cuda":
+    """t on the CPU; for a device tensor, copied on the current stream and waited for with a deadline."""
+    if t.device.type == "cpu":
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    wait_event(done, what, pg, timeout, t0)
+    wait_device(t.device, what, pg, timeout, t0)
     return host
 
 
@@ -307,20 +302,11 @@ def first_difference(src_fp: torch.Tensor, fp: torch.Tensor, names: Sequence[str
     return f"rank {rank}'s fingerprint hash differs from the source's with equal structure"
 
 
-_control_streams: dict = {}
-
-
-@contextlib.contextmanager
-def control_stream(device: torch.device) -> Iterator[None]:
-    """Control messages on a stream of their own: the host then waits for them alone, not for work the
-    caller queued before the call (the payload pipeline orders itself after that work by an event)."""
-    if device.type != "cuda":
-        yield
-        return
-    if device.index not in _control_streams:
-        _control_streams[device.index] = torch.cuda.Stream(device)
-    with torch.cuda.stream(_control_streams[device.index]):
-        yield
+def control_stream(device: torch.device):
+    """Control messages on a side stream of their own (C++-owned, one per device): the host then waits
+    for them alone, not for work the caller queued before the call (the payload pipeline orders itself
+    after that work by an event)."""
+    return _C.ControlStream(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup, src: Optional[int],
