@@ -106,6 +106,7 @@ Plan make_load_plan(
   struct Piece {
     int64_t bucket;
     ScatterOp op;
+    int64_t dest;  // index into dests
   };
   std::vector<Piece> pieces;
   pieces.reserve(dests.size() + static_cast<size_t>(num_buckets));
@@ -165,7 +166,7 @@ Plan make_load_plan(
       op.dst_type = static_cast<int8_t>(t.scalar_type());
       op.src_size = static_cast<int8_t>(u.elem_size);
       op.dst_size = static_cast<int8_t>(t.element_size());
-      pieces.push_back(Piece{k, op});
+      pieces.push_back(Piece{k, op, static_cast<int64_t>(i)});
       e = end;
     }
   }
@@ -194,6 +195,27 @@ Plan make_load_plan(
     op.first_chunk = b.scatter_chunks;
     b.scatter_chunks += (op.count * op.src_size + kScatterChunk - 1) / kScatterChunk;
     plan.scatter.push_back(op);
+  }
+  // A receiver's buckets that lie back to back in its destinations are broadcast straight into them.
+  // Not on the source, whose own shards are written from the bucket's bytes in its slot.
+  if (sources.empty() && direct_buckets_enabled()) {
+    std::vector<SpanRun> runs;
+    for (size_t p = 0; p < pieces.size();) {
+      const int64_t k = pieces[p].bucket;
+      runs.clear();
+      for (; p < pieces.size() && pieces[p].bucket == k; ++p) {
+        const auto& op = pieces[p].op;
+        const auto& t = dests[pieces[p].dest];
+        const auto* storage = t.storage().unsafeGetStorageImpl();
+        runs.push_back(SpanRun{op.bucket_offset, op.dst_ptr + static_cast<uint64_t>(op.first * op.dst_size),
+                               op.count * op.src_size, storage,
+                               reinterpret_cast<uint64_t>(storage->data()), pieces[p].dest,
+                               op.box < 0 && op.src_type == op.dst_type});
+      }
+      auto& b = plan.buckets[k];
+      b.direct_tensor = direct_span(runs, b.nbytes, &b.direct_offset);
+      plan.direct_buckets += b.direct_tensor >= 0;
+    }
   }
   plan.inputs = std::move(sources);
   plan.dests = std::move(dests);

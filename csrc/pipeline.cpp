@@ -173,7 +173,9 @@ RunStats broadcast_plan(
   // One allocation for the ring and its copy table, made on the caller's
   // stream: when it is freed at return, the caller's stream has already been
   // ordered after every use of it (exec->end()).
-  const int64_t ring_bytes = plan.ring_slots * plan.slot_bytes;
+  // Direct buckets (direct.cpp) use no slot: when every bucket is one, there is no ring.
+  const bool all_direct = plan.direct_buckets == static_cast<int64_t>(plan.buckets.size()) && !is_src;
+  const int64_t ring_bytes = all_direct ? 0 : plan.ring_slots * plan.slot_bytes;
   auto arena = at::empty({ring_bytes + exec->table_bytes()}, at::TensorOptions().dtype(at::kByte).device(plan.device));
   stats.ring_bytes = arena.numel();
   exec->set_table(arena.narrow(0, ring_bytes, exec->table_bytes()));
@@ -185,7 +187,9 @@ RunStats broadcast_plan(
   try {
     for (int64_t k = 0; k < static_cast<int64_t>(plan.buckets.size()); ++k) {
       const int64_t s = k % plan.ring_slots;
-      auto slot = arena.narrow(0, s * plan.slot_bytes, plan.buckets[k].nbytes);
+      // A receiver's direct bucket is broadcast straight into its tensors: no slot, no unpack.
+      const bool direct = !is_src && plan.buckets[k].direct_tensor >= 0;
+      auto slot = direct ? direct_bytes(plan, k) : arena.narrow(0, s * plan.slot_bytes, plan.buckets[k].nbytes);
       throttle.before_next("bucket", k, plan.buckets.size());
       if (is_src) {
         exec->wait(Lane::kCopy, s);
@@ -201,9 +205,10 @@ RunStats broadcast_plan(
         if (is_src && plan.is_load) exec->scatter(k, slot, Lane::kComm);
         exec->signal(Lane::kComm, s);
       }
-      if (!is_src) {
+      if (!is_src && (!direct || hook)) {
         exec->wait(Lane::kCopy, s);
-        if (plan.is_load) {
+        if (direct) {
+        } else if (plan.is_load) {
           exec->scatter(k, slot, Lane::kCopy);
         } else {
           exec->unpack(k, slot);

@@ -18,8 +18,8 @@ namespace coalesced_bcast {
 // The library's defaults (coalesced_bcast.DEFAULT_*, which the Python layer
 // reads from here, and the perf binary's): why each value, in sync.py.
 struct PlanOptions {
-  int64_t bucket_bytes = 32 << 20;
-  int64_t ring_depth = 3;
+  int64_t bucket_bytes = 64 << 20;
+  int64_t ring_depth = 2;
   int64_t inplace_min_bytes = 4 << 20;
   int64_t coalesce_bytes = int64_t{1} << 30;
   // A call with at most this many tensors below inplace_min_bytes sends them
@@ -62,6 +62,11 @@ struct Bucket {
   int64_t first_scatter = 0;
   int64_t num_scatter = 0;
   int64_t scatter_chunks = 0;
+  // This rank's bytes of the bucket already lie back to back in one storage
+  // (direct.cpp): that of tensor `direct_tensor` (a receiver's dests, a refit
+  // sender's inputs), from byte `direct_offset` of it. -1: through the ring slot.
+  int64_t direct_tensor = -1;
+  int64_t direct_offset = 0;
 };
 
 // A refit sender's bucket (make_refit_plan): the trainer ranks' shares of it
@@ -104,6 +109,7 @@ struct Plan {
   std::vector<Layout> layouts;
   int64_t total_bytes = 0;   // bytes of the unique tensors
   int64_t packed_bytes = 0;  // of which go through buckets
+  int64_t direct_buckets = 0;  // buckets with a direct_tensor: no ring slot, no copy on this rank
   int64_t ring_slots = 0;    // min(ring_depth, buckets)
   int64_t slot_bytes = 0;    // bytes per ring slot, <= bucket_bytes
   // The digest's hashes, made while planning: a kept plan is agreed on before
@@ -188,8 +194,8 @@ Plan make_plan(
     const PlanOptions& options);
 
 struct LoadOptions {
-  int64_t bucket_bytes = 32 << 20;
-  int64_t ring_depth = 3;
+  int64_t bucket_bytes = 64 << 20;
+  int64_t ring_depth = 2;
   int64_t rank = -1;
   int64_t copy_threads = 1;
   c10::Device device{at::kCPU};  // the model's
@@ -244,6 +250,27 @@ std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>>
 
 // Bounds-checks the copy table against the tensors and buckets it points into;
 // called before anything is launched.
+// One run of a bucket's bytes as this rank's memory holds it (direct_span).
+struct SpanRun {
+  int64_t bucket_offset;
+  uint64_t address;       // where the run's first byte lies on this rank
+  int64_t nbytes;
+  const void* storage;    // the StorageImpl holding it
+  uint64_t storage_base;  // that storage's first byte
+  int64_t tensor;         // a tensor of the plan in that storage
+  bool plain;             // a byte copy: contiguous, no cast
+};
+
+// If `runs` (sorted here by bucket_offset) hold bytes [0, nbytes) back to back,
+// each where the bucket's byte 0 lies plus its offset, all plain and in one
+// storage: the tensor to reach that storage through, and the bucket's byte
+// offset in it (`offset`). Else -1.
+int64_t direct_span(std::vector<SpanRun>& runs, int64_t nbytes, int64_t* offset);
+// Direct buckets are on unless COALESCED_BCAST_DIRECT=0 (read when a plan is made: A/B runs).
+bool direct_buckets_enabled();
+// The bytes of bucket k where they lie on this rank (a direct bucket).
+at::Tensor direct_bytes(const Plan& plan, int64_t k);
+
 void validate_copy_table(const Plan& plan);
 void validate_load_table(const Plan& plan);
 void validate_refit_table(const Plan& plan);

@@ -31,6 +31,7 @@ struct Piece {
   int64_t bucket;
   int64_t owner;  // the trainer rank whose chunk the run reads (permute runs)
   ScatterOp op;
+  int64_t tensor = -1;  // the local tensor a pack run reads
 };
 
 void append_sorted(std::vector<Piece>& pieces, std::vector<ScatterOp>& out, int64_t num_buckets,
@@ -146,7 +147,7 @@ Plan make_refit_plan(
           p.dst_ptr = static_cast<uint64_t>(r == sender ? slot_off : chunk_off);
           p.src_type = static_cast<int8_t>(t.scalar_type());
           p.src_size = static_cast<int8_t>(src_size);
-          pack.push_back(Piece{k, r, p});
+          pack.push_back(Piece{k, r, p, static_cast<int64_t>(i)});
         }
         if (is_sender && r != sender) {  // rank r's chunk, gathered, into the slot
           auto p = op;
@@ -182,6 +183,25 @@ Plan make_refit_plan(
     plan.refit[k].num_permute = n;
     plan.refit[k].permute_chunks = chunks;
   });
+  // A sender with nothing to gather: buckets whose bytes lie back to back in one of its storages, in
+  // the wire's dtype, are broadcast from there (direct.cpp).
+  if (is_sender && W == 1 && direct_buckets_enabled()) {
+    std::vector<SpanRun> runs;
+    for (size_t p = 0; p < pack.size();) {  // sorted by bucket (append_sorted)
+      const int64_t k = pack[p].bucket;
+      runs.clear();
+      for (; p < pack.size() && pack[p].bucket == k; ++p) {
+        const auto& op = pack[p].op;
+        const auto* storage = locals[pack[p].tensor].storage().unsafeGetStorageImpl();
+        runs.push_back(SpanRun{static_cast<int64_t>(op.dst_ptr), static_cast<uint64_t>(op.bucket_offset),
+                               op.count * op.dst_size, storage, reinterpret_cast<uint64_t>(storage->data()),
+                               pack[p].tensor, op.src_type == op.dst_type});
+      }
+      auto& b = plan.buckets[k];
+      b.direct_tensor = direct_span(runs, b.nbytes, &b.direct_offset);
+      plan.direct_buckets += b.direct_tensor >= 0;
+    }
+  }
   plan.inputs = std::move(locals);
   plan.keys = keys_of(plan.inputs);
   plan.ring_slots = std::min(options.ring_depth, num_buckets);

@@ -73,7 +73,9 @@ RunStats refit_send(
   exec->begin();
   const int64_t slots = plan.ring_slots, cs = plan.chunk_slot_bytes;
   // The sender: bucket slots, then a gather slot of W chunks each; the others: a chunk each.
-  const int64_t send_bytes = is_sender ? slots * plan.slot_bytes : 0;
+  // Direct buckets (direct.cpp) are sent from the tensors' own memory: when all are, no bucket slots.
+  const bool all_direct = plan.direct_buckets == static_cast<int64_t>(plan.buckets.size());
+  const int64_t send_bytes = is_sender && !all_direct ? slots * plan.slot_bytes : 0;
   const int64_t gather_bytes = W > 1 ? slots * (is_sender ? W : 1) * cs : 0;
   auto arena = at::empty({send_bytes + gather_bytes + exec->table_bytes()},
                          at::TensorOptions().dtype(at::kByte).device(plan.device));
@@ -97,7 +99,8 @@ RunStats refit_send(
       const bool gather = W > 1 && cb > 0;
       throttle.before_next("bucket", k, plan.buckets.size());
       if (is_sender) {
-        auto slot = arena.narrow(0, s * plan.slot_bytes, plan.buckets[k].nbytes);
+        const bool direct = plan.buckets[k].direct_tensor >= 0;  // set only when nothing is gathered
+        auto slot = direct ? direct_bytes(plan, k) : arena.narrow(0, s * plan.slot_bytes, plan.buckets[k].nbytes);
         at::Tensor chunks;
         if (gather) {
           chunks = arena.narrow(0, send_bytes + s * W * cs, W * cb);
@@ -109,8 +112,11 @@ RunStats refit_send(
           if (auto work = trainer->gather(out, in, gopts)) work->wait();
           exec->signal(Lane::kComm, s);
         }
-        exec->wait_for(Lane::kCopy, Lane::kSend, s);  // the last broadcast out of this slot
-        exec->copy_runs(Runs::kScatter, k, 0, address(slot), Lane::kCopy);
+        const bool copy_lane = !direct || hook;
+        if (!direct) {
+          exec->wait_for(Lane::kCopy, Lane::kSend, s);  // the last broadcast out of this slot
+          exec->copy_runs(Runs::kScatter, k, 0, address(slot), Lane::kCopy);
+        }
         if (gather) {
           exec->wait_for(Lane::kCopy, Lane::kComm, s);
           exec->copy_runs(Runs::kPermute, k, address(chunks), address(slot), Lane::kCopy);
@@ -119,9 +125,9 @@ RunStats refit_send(
           c10::OptionalStreamGuard copy(exec->stream(Lane::kCopy));
           hook(k, slot);
         }
-        exec->signal(Lane::kCopy, s);
+        if (copy_lane) exec->signal(Lane::kCopy, s);
         c10::OptionalStreamGuard send(exec->stream(Lane::kSend));
-        exec->wait_for(Lane::kSend, Lane::kCopy, s);
+        if (copy_lane) exec->wait_for(Lane::kSend, Lane::kCopy, s);
         std::vector<at::Tensor> v{slot};
         if (auto work = refit->broadcast(v, bopts)) work->wait();
         exec->signal(Lane::kSend, s);

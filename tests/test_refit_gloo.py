@@ -280,6 +280,66 @@ def test_refit_unsharded_sender_two_engines():
     run_ranks(3, _unsharded_body, timeout=120)
 
 
+def _in_one_buffer(state: dict) -> dict:
+    """The same tensors as views of one byte buffer, each at a 16-byte boundary in state order: the byte
+    stream's own layout, so a bucket's bytes lie back to back there unless a tensor's size leaves padding."""
+    offsets, off = [], 0
+    for v in state.values():
+        offsets.append(off)
+        off = (off + v.numel() * v.element_size() + 15) // 16 * 16
+    flat = torch.zeros(off, dtype=torch.uint8)
+    out = {}
+    for (k, v), o in zip(state.items(), offsets):
+        n = v.numel() * v.element_size()
+        out[k] = flat[o:o + n].view(v.dtype).view(v.shape)
+        out[k].copy_(v)
+    return out
+
+
+def _direct_body(rank, world_size, direct):
+    """Direct buckets: a bucket whose bytes lie back to back in one storage on a rank is sent from or
+    received into that memory (no slot, no copy there), decided by each rank alone. The sender and engine 1
+    hold the state in one buffer (every bucket direct but those with padding: model.odd is 60 bytes),
+    engine 2 as separate tensors (direct only where a bucket lies inside one tensor: lm_head spans several)."""
+    import os
+    refit = dist.new_group([0, 1, 2])
+    if not direct:
+        os.environ["COALESCED_BCAST_DIRECT"] = "0"
+    try:
+        state = _full_state(3)
+        if rank == 0:
+            mine = _in_one_buffer(state)
+            side = RefitSender(mine, refit, bucket_bytes=4096)
+        else:
+            mine = _in_one_buffer({k: torch.zeros_like(v) for k, v in state.items()}) if rank == 1 else \
+                {k: torch.zeros_like(v) for k, v in state.items()}
+            side = RefitReceiver(refit, tensors=mine)
+        for step in (3, 4):  # the second run reuses the plans
+            if rank == 0 and step == 4:
+                for k, v in _full_state(4).items():
+                    mine[k].copy_(v)
+            stats = side.send(verify=True) if rank == 0 else side.receive()
+            assert stats.planned is (step == 3)
+            if rank > 0:
+                assert all(same_bits(v, _full_state(step)[k]) for k, v in mine.items()), (rank, step)
+            counts = [None] * 3
+            dist.all_gather_object(counts, (stats.direct_buckets, stats.buckets))
+            if not direct:
+                assert all(d == 0 for d, _ in counts), counts
+                continue
+            (d0, n), (d1, _), (d2, _) = counts
+            assert 0 < d0 < n and d1 == d0, counts  # the same layout: the same buckets direct on both
+            assert 3 <= d2 < d1, counts  # lm_head's inner buckets
+    finally:
+        os.environ.pop("COALESCED_BCAST_DIRECT", None)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_refit_direct_buckets_one_buffer_bitwise(direct):
+    run_ranks(3, _direct_body, direct, timeout=120)
+
+
 @pytest.mark.skipif(not hasattr(__import__("torch.distributed.fsdp").distributed.fsdp, "fully_shard"),
                     reason="the example trainer uses FSDP2's public fully_shard (torch >= 2.6)")
 def test_examples_trainer_and_engine_on_cpu():

@@ -62,6 +62,10 @@ class RefitStats:
     transfer_seconds: float  # host time of the transfer (CUDA work may still be queued)
     planned: bool  # this call made (or remade) the plan
     verified: bool
+    # buckets this process sent from or received into the tensors' own memory, with no copy and no ring
+    # slot: their bytes lie back to back in one storage here (an unsharded sender's or an engine's
+    # buffer), in the wire's dtype
+    direct_buckets: int = 0
 
 
 def init_refit_group(host: Optional[str], port: int, rank: int, world_size: int, *,
@@ -304,7 +308,8 @@ class RefitSender:
             self._verify(hasher, timeout)
         stats = RefitStats(tensors=len(self.names), bytes=self._plan.total_bytes, buckets=self._plan.num_buckets,
                            ring_bytes=ring, seconds=time.perf_counter() - t0, agree_seconds=t_agreed - t0,
-                           transfer_seconds=seconds, planned=planned, verified=verify)
+                           transfer_seconds=seconds, planned=planned, verified=verify,
+                           direct_buckets=self._plan.direct_buckets)
         if self._is_sender:
             logger.info("coalesced_bcast: refit sent %d tensors (%.3f GiB, %d buckets) in %.3f s", stats.tensors,
                         stats.bytes / 2**30, stats.buckets, stats.seconds)
@@ -507,7 +512,8 @@ class RefitReceiver:
             self._verify(hasher, ctrl, timeout)
         return RefitStats(tensors=len(self._meta["names"]), bytes=self._plan.total_bytes,
                           buckets=self._plan.num_buckets, ring_bytes=ring, seconds=time.perf_counter() - t0,
-                          agree_seconds=t_agreed - t0, transfer_seconds=seconds, planned=planned, verified=verify)
+                          agree_seconds=t_agreed - t0, transfer_seconds=seconds, planned=planned, verified=verify,
+                          direct_buckets=self._plan.direct_buckets)
 
     def _dest_hashes(self, hashes: torch.Tensor) -> torch.Tensor:
         """In place, a row's hash is of the destination's own elements where it holds the wire's dtype (what the

@@ -64,6 +64,9 @@ class LoadStats:
     ring_bytes: int  # device bucket bytes held during the call (host bytes for a CPU model)
     host_ring_bytes: int  # pinned host bucket bytes (the source, for CPU tensors into a GPU model)
     seconds: float  # host wall time on this rank
+    # buckets this rank received straight into its tensors (no slot, no copy): their bytes lie back to
+    # back there in the checkpoint's dtype (whole tensors spanning buckets, or a model in one buffer)
+    direct_buckets: int = 0
 
 
 @gc_paused
@@ -138,6 +141,7 @@ def load_full_state_dict(
         _agree(plan, pg, src_g, ctrl, rank)
         buckets = _transfer(plan, pg, src_g, is_src, timeout, progress_seconds, t0)
         tensors, nbytes = plan.tensors, plan.total
+        direct = plan.core.direct_buckets if plan.core is not None else 0
         plan.core = None  # FSDP2's post-hook may re-pad shards: let the engine's references go
         del model_sd, src_tensors
         for obj, mod in plan.extras:
@@ -146,7 +150,8 @@ def load_full_state_dict(
     stats = LoadStats(
         keys=plan.num_keys, tensors=tensors, bytes=nbytes, buckets=buckets,
         cast_keys=plan.cast_keys, missing_keys=tuple(plan.missing), unexpected_keys=tuple(plan.unexpected),
-        ring_bytes=plan.ring_bytes, host_ring_bytes=plan.host_ring_bytes, seconds=time.perf_counter() - t0)
+        ring_bytes=plan.ring_bytes, host_ring_bytes=plan.host_ring_bytes, seconds=time.perf_counter() - t0,
+        direct_buckets=direct)
     if is_src:
         logger.info("load_full_state_dict: loaded %d keys (%d tensors, %.3f GiB, %d buckets, %d cast) in %.3f s, "
                     "%.2f GB/s", stats.keys, stats.tensors, stats.bytes / 2**30, stats.buckets, stats.cast_keys,

@@ -1,0 +1,48 @@
+// direct buckets: a bucket whose bytes already lie, in order and back to back,
+// in one storage of this rank needs no copy on this rank. Its broadcast reads
+// (a refit's sender) or writes (a receiver) them where they are, and the ring
+// slot is skipped. Decided by each rank alone: a broadcast only needs every
+// rank's buffer to hold the bucket's bytes, wherever that buffer is. An
+// unsharded trainer's state and an engine's parameters laid out in one buffer
+// then move with no copy at all, as one flat broadcast in bucket-sized pieces.
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
+#include "plan.h"
+
+namespace coalesced_bcast {
+
+int64_t direct_span(std::vector<SpanRun>& runs, int64_t nbytes, int64_t* offset) {
+  if (runs.empty() || nbytes <= 0) return -1;
+  std::sort(runs.begin(), runs.end(),
+            [](const SpanRun& a, const SpanRun& b) { return a.bucket_offset < b.bucket_offset; });
+  const auto& first = runs.front();
+  if (first.bucket_offset != 0 || first.storage == nullptr) return -1;
+  const uint64_t base = first.address;  // the bucket's byte 0 in this rank's memory
+  int64_t end = 0;
+  for (const auto& r : runs) {
+    if (!r.plain || r.storage != first.storage || r.bucket_offset != end ||
+        r.address != base + static_cast<uint64_t>(r.bucket_offset)) {
+      return -1;
+    }
+    end += r.nbytes;
+  }
+  if (end != nbytes) return -1;
+  *offset = static_cast<int64_t>(base - first.storage_base);
+  return first.tensor;
+}
+
+bool direct_buckets_enabled() {
+  const char* v = std::getenv("COALESCED_BCAST_DIRECT");
+  return v == nullptr || std::string(v) != "0";
+}
+
+at::Tensor direct_bytes(const Plan& plan, int64_t k) {
+  const auto& b = plan.buckets.at(k);
+  const auto& t = (plan.is_refit ? plan.inputs : plan.dests).at(b.direct_tensor);
+  // A view of the tensor's own storage (not from_blob): what the caching allocator and c10d know.
+  return at::empty({0}, t.options().dtype(at::kByte)).set_(t.storage(), b.direct_offset, {b.nbytes}, {1});
+}
+
+}  // namespace coalesced_bcast
