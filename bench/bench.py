@@ -212,17 +212,6 @@ def kept_plan():
     return run
 
 
-def with_env(fn, name, value):
-    """fn with an environment switch of the executor set (read when a call starts or a kernel launches)."""
-    def run(ts):
-        os.environ[name] = value
-        try:
-            return fn(ts)
-        finally:
-            del os.environ[name]
-    return run
-
-
 def methods(on_gpu: bool, case: str) -> dict:
     ours = lambda **kw: (lambda ts: coalesced_bcast.broadcast_tensors(ts, 0, **kw))  # noqa: E731
     m = {
@@ -231,12 +220,8 @@ def methods(on_gpu: bool, case: str) -> dict:
         "coalesced_bcast": ours(),
         "coalesced_bcast[kept plan]": kept_plan(),
     }
-    if on_gpu:  # A/B: why the ring's broadcasts run below the link (the copies' streams' priority, their SMs)
-        m["coalesced_bcast[kept plan, comm priority normal]"] = with_env(kept_plan(), "COALESCED_BCAST_COMM_PRIORITY",
-                                                                         "normal")
-        for blocks in (16, 64):
-            m[f"coalesced_bcast[kept plan, copy blocks {blocks}]"] = with_env(kept_plan(), "COALESCED_BCAST_COPY_BLOCKS",
-                                                                              str(blocks))
+    # (A/B rows of the comm lanes' priority and the copy kernels' grid ran on 2026-12-01: no gain;
+    # bench/results/sync_h200_32M_buckets.md. bench/trace_pipeline.py shows where a bucket's time goes.)
     if on_gpu:
         m["legacy_record_stream"] = legacy_record_stream
     if case.startswith("scale"):
@@ -245,9 +230,9 @@ def methods(on_gpu: bool, case: str) -> dict:
         return m
     if case in ("moe", "cnn"):
         return m
-    for b in (4, 16, 64):
+    for b in (16, 32, 128):
         m[f"coalesced_bcast[bucket={b}M]"] = ours(bucket_bytes=b * MiB)
-    for d in (2, 4):
+    for d in (3, 4):
         m[f"coalesced_bcast[depth={d}]"] = ours(ring_depth=d)
     m["coalesced_bcast[inplace=off]"] = ours(inplace_min_bytes=1 << 50)
     m["coalesced_bcast[coalesce=off]"] = ours(coalesce_bytes=0)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one call on the device machine (nvidia-h200-x2):
-#   bash bench/device_run.sh [STEP...]     steps: env build gputest refittest refit bench init agree fsdp2 loadcheck loadphases soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta (default: all but the torchsuite ones)
+#   bash bench/device_run.sh [STEP...]     steps: env build gputest refittest refit bench trace init agree fsdp2 loadcheck loadphases soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta (default: all but the torchsuite ones)
 # Builds the extension in place with the machine's own torch, then runs each step. Logs and results
 # go to $LOGS (default /tmp/device_run) and, after every step, into one archive $OUT/device_run.tgz
 # (the device tool returns at most 8 files, and a run cut short by its time limit still returns
@@ -50,7 +50,8 @@ for s in $steps; do
     gputest) step gputest 400 $PY -m pytest -q -s tests/test_gpu_nccl.py tests/test_gpu_single.py ;;
     refittest) step refittest 300 $PY -m pytest -q -s tests/test_gpu_refit.py ;;
     refit) step refit 560 $PY -m torch.distributed.run --standalone --nproc-per-node 3 bench/refit_bench.py --out "$LOGS/refit.jsonl" ;;
-    bench) step bench 500 $RUN bench/bench.py --out "$LOGS/bench" ;;
+    bench) step bench 500 $RUN bench/bench.py --out "$LOGS/bench" ${BENCH_CASES:+--cases $BENCH_CASES} ;;
+    trace) step trace 400 $RUN bench/trace_pipeline.py --out "$LOGS/trace" ;;
     init) step init 300 $RUN bench/init_bench.py --out "$LOGS/init.jsonl" ;;
     agree) step agree 120 $RUN bench/agree_probe.py --out "$LOGS/agree_probe.jsonl" ;;
     fsdp2) step fsdp2 540 $RUN bench/fsdp2_load.py --extra-buckets 128 --out "$LOGS/fsdp2.jsonl" ;;
@@ -62,7 +63,8 @@ for s in $steps; do
     timeout) step timeout 300 $PY bench/soak.py --mode timeout --out "$LOGS/soak-timeout.jsonl" ;;
     sanitize) step sanitize 400 env OUT="$LOGS" bash bench/sanitize.sh ;;
     # PyTorch's own FSDP1 tests without and with install() (scripts/torch_suite). The device has no network
-    # and torch's wheel ships no test/ tree: the caller puts one (and expecttest) in torch_tests/, untracked.
+    # and torch's wheel ships no test/ tree: the caller puts one (and expecttest) in torch_tests/ (git-ignored;
+    # the device call carries it).
     # torchsuite: FSDP1's misc tests (CPU init, same model across ranks, ...) and HSDP; torchsuite_meta: meta-device init.
     torchsuite) step torchsuite 590 env PYTHONPATH="$PWD/torch_tests/site:$PYTHONPATH" OUT="$LOGS/torch_suite" \
         FILE_TIMEOUT=240 bash scripts/torch_suite/run.sh torch_tests/test "$PY" distributed/fsdp/test_fsdp_misc.py \

@@ -112,7 +112,8 @@ class Bench:
         if not self.cpu:
             row.update(extra_alloc_MiB=extra_a / MiB, extra_reserved_MiB=extra_r / MiB)
         if isinstance(out, coalesced_bcast.RefitStats):
-            row.update(ring_MiB=out.ring_bytes / MiB, buckets=out.buckets, gbytes=out.bytes / 1e9)
+            row.update(ring_MiB=out.ring_bytes / MiB, buckets=out.buckets, gbytes=out.bytes / 1e9,
+                       direct_buckets=out.direct_buckets)
         self.emit(**row)
         return row
 
@@ -160,13 +161,6 @@ class Bench:
             self.measure("coalesced_bcast first (plans)", step, bucket_MiB=bucket_mib)
             for rep in range(a.reps):
                 self.measure("coalesced_bcast", step, bucket_MiB=bucket_mib, rep=rep)
-            if bucket_mib == a.buckets[0] and not self.cpu:  # A/B: the comm lanes' priority, the copies' SMs
-                for what, name, value in (("comm priority normal", "COALESCED_BCAST_COMM_PRIORITY", "normal"),
-                                          ("copy blocks 32", "COALESCED_BCAST_COPY_BLOCKS", "32")):
-                    os.environ[name] = value
-                    for rep in range(a.reps):
-                        self.measure(f"coalesced_bcast {what}", step, bucket_MiB=bucket_mib, rep=rep)
-                    del os.environ[name]
             wrong = self.check_engine(dests) if dests is not None else 0
             self.emit(what="bitwise check", bucket_MiB=bucket_mib, wrong=wrong)
             if bucket_mib == a.buckets[0]:
@@ -221,16 +215,20 @@ class Bench:
             torch.cuda.synchronize()
             first = None
         t0 = time.perf_counter()
+        trajectory = {}  # after refit n (1-based): allocated, reserved MiB (a step or a creep)
         for i in range(self.a.soak):
             step(verify=True)
             if not self.cpu:
                 torch.cuda.synchronize()
                 now = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
                 first = first or now
+                if i + 1 in (1, 2, 3, 5, 10, 25, 50, 75, 100) or i + 1 == self.a.soak:
+                    trajectory[i + 1] = [round(now[0] / MiB, 1), round(now[1] / MiB, 1)]
         row = dict(what="soak", refits=self.a.soak, verified=True, sec_per_refit=(time.perf_counter() - t0) / max(
             1, self.a.soak))
         if not self.cpu and self.a.soak:
-            row.update(growth_alloc_MiB=(now[0] - first[0]) / MiB, growth_reserved_MiB=(now[1] - first[1]) / MiB)
+            row.update(growth_alloc_MiB=(now[0] - first[0]) / MiB, growth_reserved_MiB=(now[1] - first[1]) / MiB,
+                       alloc_reserved_MiB_after=trajectory)
         self.emit(**row)
 
     @torch.no_grad()
@@ -286,7 +284,7 @@ class Bench:
         tensors (kept plan) against one flat broadcast of the buffer."""
         total = sum(math.prod(s) for _, s in specs)
         if self.rank == 1:
-            for _ in range(3 + self.a.reps):  # as many measurements as ranks 0 and 2 make below
+            for _ in range(1 + len(self.a.buckets) * (2 + self.a.reps) + 1 + self.a.reps):  # as ranks 0 and 2 make below
                 self.measure("idle", lambda: None)
             return
         flat = torch.empty(total, dtype=DTYPE, device=self.device)
@@ -298,22 +296,38 @@ class Bench:
             views.append(flat[off:off + n].view(s))
             off += n
         names = [n for n, _ in specs]
-        if self.rank == 0:
-            ours = coalesced_bcast.RefitSender(list(zip(names, views)), self.refit,
-                                               bucket_bytes=self.a.buckets[0] * MiB)
-            step = ours.send
-        else:
-            ours = coalesced_bcast.RefitReceiver(self.refit, tensors=dict(zip(names, views)))
-            step = ours.receive
         self.measure("flat broadcast (unsharded)", lambda: dist.broadcast(flat, 0, group=self.refit))
-        pieces = flat.view(torch.uint8).split(self.a.buckets[0] * MiB)  # the link at the bucket size, nothing around it
-        self.measure("flat broadcast in bucket pieces (unsharded)",
-                     lambda: [dist.broadcast(p, 0, group=self.refit) for p in pieces])
-        self.measure("coalesced_bcast unsharded first (plans)", step)
+        for b in self.a.buckets:
+            if self.rank == 0:
+                ours = coalesced_bcast.RefitSender(list(zip(names, views)), self.refit, bucket_bytes=b * MiB)
+                step = ours.send
+            else:
+                ours = coalesced_bcast.RefitReceiver(self.refit, tensors=dict(zip(names, views)))
+                step = ours.receive
+            pieces = flat.view(torch.uint8).split(b * MiB)  # the link at the bucket size, nothing around it
+            self.measure("flat broadcast in bucket pieces (unsharded)",
+                         lambda: [dist.broadcast(p, 0, group=self.refit) for p in pieces], bucket_MiB=b)
+            self.measure("coalesced_bcast unsharded first (plans)", step, bucket_MiB=b)
+            for rep in range(self.a.reps):
+                self.measure("coalesced_bcast unsharded", step, rep=rep, bucket_MiB=b)
+            if self.rank == 2:
+                self.emit(what="bitwise check", case="unsharded", bucket_MiB=b, wrong=self.check_engine(views))
+            del ours, step
+        # A/B: the same with every bucket through the ring slots (direct buckets off: a copy on each side)
+        os.environ["COALESCED_BCAST_DIRECT"] = "0"
+        try:
+            if self.rank == 0:
+                step = coalesced_bcast.RefitSender(list(zip(names, views)), self.refit,
+                                                   bucket_bytes=self.a.buckets[0] * MiB).send
+            else:
+                step = coalesced_bcast.RefitReceiver(self.refit, tensors=dict(zip(names, views))).receive
+            self.measure("coalesced_bcast unsharded first (plans), direct off", step, bucket_MiB=self.a.buckets[0])
+        finally:
+            del os.environ["COALESCED_BCAST_DIRECT"]
         for rep in range(self.a.reps):
-            self.measure("coalesced_bcast unsharded", step, rep=rep)
+            self.measure("coalesced_bcast unsharded, direct off", step, rep=rep, bucket_MiB=self.a.buckets[0])
         if self.rank == 2:
-            self.emit(what="bitwise check", case="unsharded", wrong=self.check_engine(views))
+            self.emit(what="bitwise check", case="unsharded, direct off", wrong=self.check_engine(views))
 
     def summary(self):
         """Per measurement the slowest rank's time, and the issue's targets, from every rank's rows."""
@@ -335,15 +349,17 @@ class Bench:
         per_tensor = slowest("per-tensor full_tensor+broadcast")
         packed = slowest("packed 2x1GiB cat+broadcast")
         flat = slowest("flat broadcast (unsharded)")
-        flat_pieces = slowest("flat broadcast in bucket pieces (unsharded)")
-        unsharded = slowest("coalesced_bcast unsharded")
+        flat_pieces = {b: slowest("flat broadcast in bucket pieces (unsharded)", bucket_MiB=b) for b in self.a.buckets}
+        unsharded_by = {b: slowest("coalesced_bcast unsharded", bucket_MiB=b) for b in self.a.buckets}
+        unsharded = min((s for s in unsharded_by.values() if s), default=None)
         gbytes = next(r["gbytes"] for r in allrows if r.get("what") == "state")
         out = dict(what="summary", gbytes=gbytes, ours_sec={str(b): s for b, s in ours.items()},
-                   ours_priority_normal_sec=slowest("coalesced_bcast comm priority normal", bucket_MiB=b0),
-                   ours_copy_blocks_32_sec=slowest("coalesced_bcast copy blocks 32", bucket_MiB=b0),
                    ours_callback_sec=slowest("coalesced_bcast callback", bucket_MiB=b0),
-                   per_tensor_sec=per_tensor, packed_sec=packed, flat_sec=flat, flat_in_bucket_pieces_sec=flat_pieces,
-                   unsharded_sec=unsharded)
+                   per_tensor_sec=per_tensor, packed_sec=packed, flat_sec=flat,
+                   flat_in_bucket_pieces_sec={str(b): s for b, s in flat_pieces.items()},
+                   unsharded_sec={str(b): s for b, s in unsharded_by.items()},
+                   unsharded_pct_of_flat_by_bucket={str(b): 100 * flat / s for b, s in unsharded_by.items() if s},
+                   unsharded_direct_off_sec=slowest("coalesced_bcast unsharded, direct off", bucket_MiB=b0))
         best = min(s for s in ours.values() if s)
         out.update(ours_GBps=gbytes / best, speedup_vs_packed=packed / best, speedup_vs_per_tensor=per_tensor / best,
                    unsharded_pct_of_flat=100 * flat / unsharded if unsharded else None,
@@ -354,7 +370,8 @@ class Bench:
             out.update(extra_MiB_by_rank={r["rank"]: [round(r["extra_alloc_MiB"], 1), round(r["extra_reserved_MiB"], 1),
                                                        round(r["ring_MiB"], 1)] for r in mem if r.get("rep") == 0})
         soak = [r for r in allrows if r.get("what") == "soak"]
-        out.update(soak={r["rank"]: {k: r.get(k) for k in ("growth_alloc_MiB", "growth_reserved_MiB", "sec_per_refit")}
+        out.update(soak={r["rank"]: {k: r.get(k) for k in ("growth_alloc_MiB", "growth_reserved_MiB", "sec_per_refit",
+                                                            "alloc_reserved_MiB_after")}
                          for r in soak},
                    wrong=sum(r.get("wrong", 0) for r in allrows if r.get("what") == "bitwise check"))
         self.emit(**out)

@@ -117,11 +117,11 @@ const char* kUsage = R"(usage: coalesced_bcast_perf [options]
                              threads; exits non-zero on any wrong element
       --inject-fault         flip one byte on the last rank after the data moved (tests the check)
   -J, --json PATH            rank 0 writes one JSON line per size and rank
- core options (see coalesced_bcast.broadcast_tensors)
-      --bucket-bytes SIZE    (default 16M)
-      --ring-depth N         (default 3)
-      --inplace-min-bytes SIZE (default 4M)
-      --coalesce-bytes SIZE  (default 256M)
+ core options (see coalesced_bcast.broadcast_tensors; defaults: the library's, csrc/plan.h PlanOptions)
+      --bucket-bytes SIZE
+      --ring-depth N
+      --inplace-min-bytes SIZE
+      --coalesce-bytes SIZE
 )";
 
 [[noreturn]] void usage_error(const std::string& msg) {
