@@ -15,8 +15,11 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cstdlib>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -36,14 +39,28 @@ bool comm_high_priority() {
   return v == nullptr || std::string(v) != "normal";
 }
 
+// Each lane's stream, the same one for every call on a device (per priority). Taken from torch's
+// pool afresh per call, a lane landed on another of its 32 streams each time, and what a hook
+// allocates on it (a refit's verify hashes) went to that stream's own pool in the caching allocator:
+// reserved memory grew over the first dozens of calls, one cached block per stream.
+at::cuda::CUDAStream lane_stream_of(c10::DeviceIndex device, Lane lane, bool high_priority) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, int, bool>, at::cuda::CUDAStream> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(static_cast<int>(device), static_cast<int>(lane), high_priority);
+  auto it = streams.find(key);
+  if (it == streams.end()) it = streams.emplace(key, at::cuda::getStreamFromPool(high_priority, device)).first;
+  return it->second;
+}
+
 class CudaExecutor final : public Executor {
  public:
   explicit CudaExecutor(const Plan& plan)
       : plan_(plan),
         caller_(at::cuda::getCurrentCUDAStream(plan.device.index())),
-        comm_(at::cuda::getStreamFromPool(comm_high_priority(), plan.device.index())),
-        copy_(at::cuda::getStreamFromPool(/*isHighPriority=*/false, plan.device.index())),
-        send_(plan.is_refit ? at::cuda::getStreamFromPool(comm_high_priority(), plan.device.index()) : comm_),
+        comm_(lane_stream_of(plan.device.index(), Lane::kComm, comm_high_priority())),
+        copy_(lane_stream_of(plan.device.index(), Lane::kCopy, /*high_priority=*/false)),
+        send_(plan.is_refit ? lane_stream_of(plan.device.index(), Lane::kSend, comm_high_priority()) : comm_),
         events_(3 * static_cast<size_t>(plan.ring_slots)),
         offsets_(table_offsets(plan)) {}
 
