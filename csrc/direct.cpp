@@ -40,7 +40,7 @@ bool direct_buckets_enabled() {
 
 at::Tensor direct_bytes(const Plan& plan, int64_t k) {
   const auto& b = plan.buckets.at(k);
-  const auto& t = (plan.is_refit ? plan.inputs : plan.dests).at(b.direct_tensor);
+  const auto& t = (plan.direct_from_inputs ? plan.inputs : plan.dests).at(b.direct_tensor);
   // A view of the tensor's own storage (not from_blob): what the caching allocator and c10d know.
   return at::empty({0}, t.options().dtype(at::kByte)).set_(t.storage(), b.direct_offset, {b.nbytes}, {1});
 }

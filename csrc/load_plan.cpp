@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <numeric>
 #include <sstream>
+#include <unordered_set>
 
 #include "cast.h"
 #include "plan.h"
@@ -18,7 +19,7 @@ namespace {
 
 // The runs that pack unit `u` of the source (its tensor `t`), cut at bucket boundaries.
 void add_pack_runs(Plan& plan, const Unit& u, const at::Tensor& t, int64_t index, std::vector<int32_t>& run_bucket,
-                   std::vector<bool>& run_host) {
+                   std::vector<bool>& run_host, std::vector<int64_t>& op_source) {
   const auto what = "checkpoint tensor " + std::to_string(index) + " on source rank " +
       std::to_string(plan.options.rank);
   TORCH_CHECK_VALUE(t.defined() && t.layout() == at::kStrided && t.has_storage(), what,
@@ -44,6 +45,7 @@ void add_pack_runs(Plan& plan, const Unit& u, const at::Tensor& t, int64_t index
                                                        static_cast<int32_t>(u.elem_size)});
     run_bucket.push_back(static_cast<int32_t>(k));
     run_host.push_back(host);
+    if (!host) op_source.push_back(index);
     off += len;
   }
 }
@@ -85,11 +87,13 @@ Plan make_load_plan(
                     " source tensors for ", units.size(), " checkpoint tensors");
   std::vector<int32_t> run_bucket;
   std::vector<bool> run_host;
+  std::vector<int64_t> op_source;  // per device pack run (plan.ops), the source tensor it reads
   for (size_t i = 0; i < sources.size(); ++i) {
     auto& t = sources[i];
     // A lazy conjugate or negative bit is not in the bytes: resolve it (a copy of that tensor alone).
     if (t.defined() && (t.is_conj() || t.is_neg())) t = t.resolve_conj().resolve_neg();
-    if (units[i].nbytes > 0) add_pack_runs(plan, units[i], t, static_cast<int64_t>(i), run_bucket, run_host);
+    if (units[i].nbytes > 0) add_pack_runs(plan, units[i], t, static_cast<int64_t>(i), run_bucket, run_host,
+                                                    op_source);
   }
   for (const auto& u : units) plan.units_sent += u.nbytes > 0;
 
@@ -196,8 +200,33 @@ Plan make_load_plan(
     b.scatter_chunks += (op.count * op.src_size + kScatterChunk - 1) / kScatterChunk;
     plan.scatter.push_back(op);
   }
-  // A receiver's buckets that lie back to back in its destinations are broadcast straight into them.
-  // Not on the source, whose own shards are written from the bucket's bytes in its slot.
+  // Direct buckets (direct.cpp). The source's: bytes that lie back to back in one device storage of
+  // its checkpoint tensors are broadcast from there (its own shards are then written from there too).
+  if (!sources.empty() && direct_buckets_enabled()) {
+    plan.direct_from_inputs = true;
+    // Not from a storage that this rank also writes (a model's own tensors given as the checkpoint):
+    // the scatter would read bytes that it, or a cast wider than the source, writes over.
+    std::unordered_set<const void*> written;
+    for (const auto& t : dests) {
+      if (t.defined() && t.has_storage()) written.insert(t.storage().unsafeGetStorageImpl());
+    }
+    std::vector<SpanRun> runs;
+    for (auto& b : plan.buckets) {
+      if (b.num_host > 0 || b.num_ops == 0) continue;
+      runs.clear();
+      for (int64_t r = b.first_op; r < b.first_op + b.num_ops; ++r) {
+        const auto& op = plan.ops[r];
+        const auto& t = sources[op_source[r]];
+        const auto* storage = t.storage().unsafeGetStorageImpl();
+        runs.push_back(SpanRun{op.bucket_offset, op.tensor_ptr + static_cast<uint64_t>(op.tensor_offset), op.nbytes,
+                               storage, reinterpret_cast<uint64_t>(storage->data()), op_source[r], op.layout < 0});
+      }
+      b.direct_tensor = direct_span(runs, b.nbytes, &b.direct_offset);
+      if (b.direct_tensor >= 0 && written.count(runs.front().storage)) b.direct_tensor = -1;
+      plan.direct_buckets += b.direct_tensor >= 0;
+    }
+  }
+  // A receiver's: bytes that lie back to back in its destinations are broadcast straight into them.
   if (sources.empty() && direct_buckets_enabled()) {
     std::vector<SpanRun> runs;
     for (size_t p = 0; p < pieces.size();) {

@@ -174,7 +174,7 @@ RunStats broadcast_plan(
   // stream: when it is freed at return, the caller's stream has already been
   // ordered after every use of it (exec->end()).
   // Direct buckets (direct.cpp) use no slot: when every bucket is one, there is no ring.
-  const bool all_direct = plan.direct_buckets == static_cast<int64_t>(plan.buckets.size()) && !is_src;
+  const bool all_direct = plan.direct_buckets == static_cast<int64_t>(plan.buckets.size());
   const int64_t ring_bytes = all_direct ? 0 : plan.ring_slots * plan.slot_bytes;
   auto arena = at::empty({ring_bytes + exec->table_bytes()}, at::TensorOptions().dtype(at::kByte).device(plan.device));
   stats.ring_bytes = arena.numel();
@@ -187,11 +187,11 @@ RunStats broadcast_plan(
   try {
     for (int64_t k = 0; k < static_cast<int64_t>(plan.buckets.size()); ++k) {
       const int64_t s = k % plan.ring_slots;
-      // A receiver's direct bucket is broadcast straight into its tensors: no slot, no unpack.
-      const bool direct = !is_src && plan.buckets[k].direct_tensor >= 0;
+      // A direct bucket is broadcast from or into the tensors' own memory: no slot, no pack or unpack.
+      const bool direct = plan.buckets[k].direct_tensor >= 0;
       auto slot = direct ? direct_bytes(plan, k) : arena.narrow(0, s * plan.slot_bytes, plan.buckets[k].nbytes);
       throttle.before_next("bucket", k, plan.buckets.size());
-      if (is_src) {
+      if (is_src && !direct) {
         exec->wait(Lane::kCopy, s);
         exec->pack(k, slot);
         exec->signal(Lane::kCopy, s);

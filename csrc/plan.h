@@ -110,6 +110,7 @@ struct Plan {
   int64_t total_bytes = 0;   // bytes of the unique tensors
   int64_t packed_bytes = 0;  // of which go through buckets
   int64_t direct_buckets = 0;  // buckets with a direct_tensor: no ring slot, no copy on this rank
+  bool direct_from_inputs = false;  // direct_tensor indexes inputs (a sender), else dests (a receiver)
   int64_t ring_slots = 0;    // min(ring_depth, buckets)
   int64_t slot_bytes = 0;    // bytes per ring slot, <= bucket_bytes
   // The digest's hashes, made while planning: a kept plan is agreed on before

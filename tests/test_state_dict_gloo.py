@@ -372,9 +372,10 @@ def test_nan_payloads_survive_a_float_opmath_foreach_copy() -> None:
 
 
 def _direct_body(rank: int, ws: int) -> None:
-    """A receiver's buckets that lie inside one of its tensors (a 20 KiB weight over 4 KiB buckets) are
-    received straight into it (direct buckets); the rest through the slot; bitwise, NaN payloads included.
-    The source's own tensors are written from its slot: none direct there."""
+    """Buckets that lie inside one tensor (a 20 KiB weight over 4 KiB buckets) go straight from the source's
+    checkpoint tensor and into each receiver's parameter (direct buckets); the rest through the slots;
+    bitwise, NaN payloads included. A source loading the model's own tensors sends every bucket from its
+    slot: its scatter would otherwise read what it writes."""
     g = torch.Generator().manual_seed(5)
     model = nn.ParameterDict({"a": nn.Parameter(torch.zeros(37, dtype=torch.bfloat16)),
                               "big": nn.Parameter(torch.zeros(10240, dtype=torch.bfloat16)),
@@ -386,6 +387,17 @@ def _direct_body(rank: int, ws: int) -> None:
     for k, v in model.state_dict().items():
         assert same_bits(v, sd[k]), f"'{k}' differs on rank {rank}"
     # the stream: a (80 bytes with padding), b (64), big from byte 144 to the end: buckets 1-5 lie inside big
+    assert stats.direct_buckets == 5, stats
+    if rank == 0:  # the model's own tensors, with new values, as the checkpoint
+        for v in model.parameters():
+            fill_random_bytes(v.data, g)
+        sd = {k: v.detach() for k, v in model.state_dict().items()}
+        want = {k: v.clone() for k, v in sd.items()}
+    stats = load_full_state_dict(model, sd if rank == 0 else None, bucket_bytes=4096)
+    want = [want if rank == 0 else None]
+    dist.broadcast_object_list(want, 0)
+    for k, v in model.state_dict().items():
+        assert same_bits(v, want[0][k]), f"'{k}' differs on rank {rank} (own tensors as the checkpoint)"
     assert stats.direct_buckets == (0 if rank == 0 else 5), stats
 
 
