@@ -203,3 +203,48 @@ def _kept_plan_body(rank, world_size):
 
 def test_kept_plan_on_gpus():
     run_ranks(2, _kept_plan_body, backend="nccl", timeout=300)
+
+
+def hsdp_same_outcome_body(rank, world_size, device_type="cuda"):
+    """FSDP1 HYBRID_SHARD with sync_module_states on 2 ranks, meshes 1x2 (one replica sharded over both)
+    and 2x1 (two replicas of one rank: FSDP1 falls back to NO_SHARD), once with torch's own sync and once
+    with install(): the same parameters and buffers either way, and on 1x2 the source's, synced by
+    coalesced_bcast. (On the CPU over gloo as well: tests/test_install_gloo.py runs it there.)"""
+    import contextlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from test_install_gloo import SOURCE_SEED, Block, assert_same, build, states
+
+    dev = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    want = states(build(False, SOURCE_SEED, device=dev))
+    for shape in ((1, 2), (2, 1)):
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+        outcome, served = {}, 0
+        for mode in ("torch", "install"):
+            if mode == "torch" and device_type != "cuda":
+                continue  # FSDP1 refuses CPU modules in sync_module_states without install()
+            model = build(False, SOURCE_SEED if rank == 0 else 50 + rank, device=dev)
+            coalesced_bcast.patched_calls(clear=True)
+            with coalesced_bcast.installed() if mode == "install" else contextlib.nullcontext():
+                fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=dev, sync_module_states=True,
+                            sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=mesh)
+            with FSDP.summon_full_params(fsdp, writeback=False):
+                outcome[mode] = states(fsdp)
+            if mode == "install":
+                calls = coalesced_bcast.patched_calls()
+                assert all(c.fallback is None for c in calls), calls
+                served = len(calls)
+        if "torch" in outcome:
+            assert_same(outcome["install"], outcome["torch"], f"HSDP mesh {shape}, install() against torch's", rank)
+        if shape == (1, 2):
+            assert served > 0
+            assert_same(outcome["install"], want, f"HSDP mesh {shape}", rank)
+        against = "same outcome as torch's" if "torch" in outcome else "torch's own refuses CPU modules"
+        print(f"rank {rank}: HSDP mesh {shape}: {served} syncs served by coalesced_bcast, {against}", flush=True)
+
+
+def test_hsdp_install_same_outcome_as_torch():
+    run_ranks(2, hsdp_same_outcome_body, backend="nccl", timeout=300)

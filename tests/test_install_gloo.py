@@ -416,3 +416,10 @@ def _hsdp_body(rank, world_size):
 
 def test_hsdp_sync_module_states_on_four_ranks():
     run_ranks(4, _hsdp_body, timeout=240)
+
+
+def test_hsdp_two_ranks_meshes_1x2_and_2x1():
+    """The 2-GPU HSDP check of tests/test_gpu_nccl.py, on the CPU over gloo (install() only: FSDP1 refuses
+    CPU modules in sync_module_states without it)."""
+    from test_gpu_nccl import hsdp_same_outcome_body
+    run_ranks(2, hsdp_same_outcome_body, "cpu", timeout=240)
