@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one call on the device machine (nvidia-h200-x2):
-#   bash bench/device_run.sh [STEP...]     steps: env build gputest refittest refit bench trace init agree fsdp2 loadcheck loadphases soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta torchsuite_ddp (default: all but the torchsuite ones)
+#   bash bench/device_run.sh [STEP...]     steps: env build gputest refittest refit bench trace init agree fsdp2 loadcheck loadphases soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta torchsuite_ddp accelerate (default: all but the torchsuite ones)
 # Builds the extension in place with the machine's own torch, then runs each step. Logs and results
 # go to $LOGS (default /tmp/device_run) and, after every step, into one archive $OUT/device_run.tgz
 # (the device tool returns at most 8 files, and a run cut short by its time limit still returns
@@ -77,6 +77,9 @@ for s in $steps; do
     torchsuite_ddp) step torchsuite_ddp 590 env PYTHONPATH="$PWD/torch_tests/site:$PYTHONPATH" \
         OUT="$LOGS/torch_suite" FILE_TIMEOUT=280 bash scripts/torch_suite/run.sh torch_tests/test "$PY" \
         "distributed/test_c10d_nccl.py|DistributedDataParallelTest and (fp16 or weight_sharing or complex_params or channels_last or grad_layout or param_layout or lazy_parameters or pass_default_pg or nccl_backend or multi_device_module_config or packed_sequence)" ;;
+    # accelerate's FSDP1 plugin (sync_module_states, cpu_ram_efficient_loading, a tied Llama) without and with install().
+    accelerate) step accelerate 300 bash -c "$RUN bench/accelerate_fsdp1.py --mode torch --out $LOGS/accelerate.jsonl; \
+        $RUN bench/accelerate_fsdp1.py --mode install --out $LOGS/accelerate.jsonl" ;;
     perf) step perf 480 bash -c '
         set -e; bash bench/perf/build.sh
         R="'"$PY"' -m torch.distributed.run --standalone --nproc-per-node 2 --no-python build/perf/coalesced_bcast_perf"
