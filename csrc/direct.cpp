@@ -20,6 +20,9 @@ int64_t direct_span(std::vector<SpanRun>& runs, int64_t nbytes, int64_t* offset)
   const auto& first = runs.front();
   if (first.bucket_offset != 0 || first.storage == nullptr) return -1;
   const uint64_t base = first.address;  // the bucket's byte 0 in this rank's memory
+  // Whole aligned 16-byte words only, as for sync's in-place tensors (plan.cpp): NCCL's LL protocol
+  // reads up to a word past a buffer's end, harmless in a ring slot but not at a tensor's.
+  if (nbytes % kAlign != 0 || base % kAlign != 0) return -1;
   int64_t end = 0;
   for (const auto& r : runs) {
     if (!r.plain || r.storage != first.storage || r.bucket_offset != end ||
