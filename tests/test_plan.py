@@ -236,3 +236,14 @@ def test_fingerprint_captures_structure_not_values():
     assert not torch.equal(plan(a).fingerprint(), plan(c).fingerprint())
     w = torch.zeros(3)
     assert not torch.equal(plan([w, w]).fingerprint(), plan([w, w.clone()]).fingerprint())
+
+
+def test_check_unchanged_over_many_tensors_names_the_first_change():
+    """A kept plan's check runs in chunks on several threads: it still reports the first changed tensor."""
+    ts = [torch.zeros(8 + i % 5) for i in range(10000)]
+    p = plan(ts)
+    assert p.check_unchanged() == ""
+    ts[9000].set_(torch.zeros(9000 % 5 + 8))  # re-allocated, same shape (a later chunk)
+    assert p.check_unchanged().startswith("tensor 9000") and "re-allocated" in p.check_unchanged()
+    ts[3001].resize_(100)  # reshaped and re-allocated (an earlier chunk): now the first
+    assert p.check_unchanged().startswith("tensor 3001"), p.check_unchanged()
