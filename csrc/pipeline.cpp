@@ -219,7 +219,9 @@ RunStats broadcast_plan(
         }
         exec->signal(Lane::kCopy, s);
       }
-      if (throttle.active()) throttle.after(*exec->stream(is_src ? Lane::kComm : Lane::kCopy));  // its last step's lane
+      // Its last step's lane: a receiver's direct bucket ends on the comm lane (no unpack).
+      const bool ends_on_comm = is_src || (direct && !hook);
+      if (throttle.active()) throttle.after(*exec->stream(ends_on_comm ? Lane::kComm : Lane::kCopy));
       queued += plan.buckets[k].nbytes;
       if (report && std::chrono::steady_clock::now() >= next_report) {
         progress.report(queued);
