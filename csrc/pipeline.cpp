@@ -207,10 +207,9 @@ RunStats broadcast_plan(
       }
       if (!is_src && (!direct || hook)) {
         exec->wait(Lane::kCopy, s);
-        if (direct) {
-        } else if (plan.is_load) {
+        if (!direct && plan.is_load) {
           exec->scatter(k, slot, Lane::kCopy);
-        } else {
+        } else if (!direct) {
           exec->unpack(k, slot);
         }
         if (hook) {
