@@ -13,27 +13,35 @@
 
 namespace coalesced_bcast {
 
-int64_t direct_span(std::vector<SpanRun>& runs, int64_t nbytes, int64_t* offset) {
-  if (runs.empty() || nbytes <= 0) return -1;
+bool mark_direct(Plan& plan, int64_t k, std::vector<SpanRun>& runs,
+                 const std::vector<const c10::StorageImpl*>& excluded) {
+  auto& bucket = plan.buckets.at(k);
+  const int64_t nbytes = bucket.nbytes;
+  if (runs.empty() || nbytes <= 0) return false;
   std::sort(runs.begin(), runs.end(),
             [](const SpanRun& a, const SpanRun& b) { return a.bucket_offset < b.bucket_offset; });
   const auto& first = runs.front();
-  if (first.bucket_offset != 0 || first.storage == nullptr) return -1;
+  if (first.bucket_offset != 0 || first.storage == nullptr ||
+      std::find(excluded.begin(), excluded.end(), first.storage) != excluded.end()) {
+    return false;
+  }
   const uint64_t base = first.address;  // the bucket's byte 0 in this rank's memory
   // Whole aligned 16-byte words only, as for sync's in-place tensors (plan.cpp): NCCL's LL protocol
   // reads up to a word past a buffer's end, harmless in a ring slot but not at a tensor's.
-  if (nbytes % kAlign != 0 || base % kAlign != 0) return -1;
+  if (nbytes % kAlign != 0 || base % kAlign != 0) return false;
   int64_t end = 0;
   for (const auto& r : runs) {
     if (!r.plain || r.storage != first.storage || r.bucket_offset != end ||
         r.address != base + static_cast<uint64_t>(r.bucket_offset)) {
-      return -1;
+      return false;
     }
     end += r.nbytes;
   }
-  if (end != nbytes) return -1;
-  *offset = static_cast<int64_t>(base - first.storage_base);
-  return first.tensor;
+  if (end != nbytes) return false;
+  bucket.direct_tensor = first.tensor;
+  bucket.direct_offset = static_cast<int64_t>(base - reinterpret_cast<uint64_t>(first.storage->data()));
+  ++plan.direct_buckets;
+  return true;
 }
 
 bool direct_buckets_enabled() {

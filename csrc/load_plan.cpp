@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <numeric>
 #include <sstream>
-#include <unordered_set>
 
 #include "cast.h"
 #include "plan.h"
@@ -206,12 +205,13 @@ Plan make_load_plan(
     plan.direct_from_inputs = true;
     // Not from a storage that this rank also writes (a model's own tensors given as the checkpoint):
     // the scatter would read bytes that it, or a cast wider than the source, writes over.
-    std::unordered_set<const void*> written;
+    std::vector<const c10::StorageImpl*> written;
     for (const auto& t : dests) {
-      if (t.defined() && t.has_storage()) written.insert(t.storage().unsafeGetStorageImpl());
+      if (t.defined() && t.has_storage()) written.push_back(t.storage().unsafeGetStorageImpl());
     }
     std::vector<SpanRun> runs;
-    for (auto& b : plan.buckets) {
+    for (int64_t k = 0; k < num_buckets; ++k) {
+      const auto& b = plan.buckets[k];
       if (b.num_host > 0 || b.num_ops == 0) continue;
       runs.clear();
       for (int64_t r = b.first_op; r < b.first_op + b.num_ops; ++r) {
@@ -219,11 +219,9 @@ Plan make_load_plan(
         const auto& t = sources[op_source[r]];
         const auto* storage = t.storage().unsafeGetStorageImpl();
         runs.push_back(SpanRun{op.bucket_offset, op.tensor_ptr + static_cast<uint64_t>(op.tensor_offset), op.nbytes,
-                               storage, reinterpret_cast<uint64_t>(storage->data()), op_source[r], op.layout < 0});
+                               storage, op_source[r], op.layout < 0});
       }
-      b.direct_tensor = direct_span(runs, b.nbytes, &b.direct_offset);
-      if (b.direct_tensor >= 0 && written.count(runs.front().storage)) b.direct_tensor = -1;
-      plan.direct_buckets += b.direct_tensor >= 0;
+      mark_direct(plan, k, runs, written);
     }
   }
   // A receiver's: bytes that lie back to back in its destinations are broadcast straight into them.
@@ -237,13 +235,10 @@ Plan make_load_plan(
         const auto& t = dests[pieces[p].dest];
         const auto* storage = t.storage().unsafeGetStorageImpl();
         runs.push_back(SpanRun{op.bucket_offset, op.dst_ptr + static_cast<uint64_t>(op.first * op.dst_size),
-                               op.count * op.src_size, storage,
-                               reinterpret_cast<uint64_t>(storage->data()), pieces[p].dest,
+                               op.count * op.src_size, storage, pieces[p].dest,
                                op.box < 0 && op.src_type == op.dst_type});
       }
-      auto& b = plan.buckets[k];
-      b.direct_tensor = direct_span(runs, b.nbytes, &b.direct_offset);
-      plan.direct_buckets += b.direct_tensor >= 0;
+      mark_direct(plan, k, runs);
     }
   }
   plan.inputs = std::move(sources);

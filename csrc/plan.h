@@ -256,17 +256,17 @@ struct SpanRun {
   int64_t bucket_offset;
   uint64_t address;       // where the run's first byte lies on this rank
   int64_t nbytes;
-  const void* storage;    // the StorageImpl holding it
-  uint64_t storage_base;  // that storage's first byte
+  const c10::StorageImpl* storage;  // the storage holding it
   int64_t tensor;         // a tensor of the plan in that storage
   bool plain;             // a byte copy: contiguous, no cast
 };
 
-// If `runs` (sorted here by bucket_offset) hold bytes [0, nbytes) back to back,
-// each where the bucket's byte 0 lies plus its offset, all plain and in one
-// storage: the tensor to reach that storage through, and the bucket's byte
-// offset in it (`offset`). Else -1.
-int64_t direct_span(std::vector<SpanRun>& runs, int64_t nbytes, int64_t* offset);
+// Marks bucket k of the plan direct (Bucket::direct_tensor, direct_offset,
+// Plan::direct_buckets) if `runs` (sorted here by bucket_offset) hold its bytes
+// back to back, each where the bucket's byte 0 lies plus its offset, all plain
+// and in one storage that is not in `excluded`. Returns whether it did.
+bool mark_direct(Plan& plan, int64_t k, std::vector<SpanRun>& runs,
+                 const std::vector<const c10::StorageImpl*>& excluded = {});
 // Direct buckets are on unless COALESCED_BCAST_DIRECT=0 (read when a plan is made: A/B runs).
 bool direct_buckets_enabled();
 // The bytes of bucket k where they lie on this rank (a direct bucket).

@@ -195,12 +195,9 @@ Plan make_refit_plan(
         const auto& op = pack[p].op;
         const auto* storage = locals[pack[p].tensor].storage().unsafeGetStorageImpl();
         runs.push_back(SpanRun{static_cast<int64_t>(op.dst_ptr), static_cast<uint64_t>(op.bucket_offset),
-                               op.count * op.dst_size, storage, reinterpret_cast<uint64_t>(storage->data()),
-                               pack[p].tensor, op.src_type == op.dst_type});
+                               op.count * op.dst_size, storage, pack[p].tensor, op.src_type == op.dst_type});
       }
-      auto& b = plan.buckets[k];
-      b.direct_tensor = direct_span(runs, b.nbytes, &b.direct_offset);
-      plan.direct_buckets += b.direct_tensor >= 0;
+      mark_direct(plan, k, runs);
     }
   }
   plan.inputs = std::move(locals);
