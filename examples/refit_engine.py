@@ -4,6 +4,7 @@ the way vLLM fuses them (qkv_proj, gate_up_proj), loaded through its own load_we
     python examples/refit_engine.py --port 29601 --device cuda:1   # or --device cpu
 """
 import argparse
+import gc
 import logging
 
 import torch
@@ -73,6 +74,8 @@ def main():
         stats = receiver.receive()
         logging.info("step %d: %d tensors in %d buckets, %.1f ms%s", step, stats.tensors, stats.buckets,
                      stats.seconds * 1e3, ", verified" if stats.verified else "")
+    del receiver, refit  # the group goes now, not during interpreter exit (see refit_trainer.py)
+    gc.collect()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ Trainer rank 0 opens the refit group's store at --host:--port; the engine joins 
 trainer ranks take part in every refit through the trainer group (their shards are gathered to rank 0).
 """
 import argparse
+import gc
 import logging
 import os
 
@@ -92,6 +93,11 @@ def main():
         if rank == 0:
             logging.info("step %d: loss %.4f, refit of %d tensors (%.1f MiB) in %.1f ms", step, loss.item(),
                          stats.tensors, stats.bytes / 2**20, stats.seconds * 1e3)
+    # Free what holds the groups before tearing them down: a group that outlives destroy_process_group
+    # (FSDP's modules keep reference cycles) is destroyed during interpreter exit, where gloo's can abort
+    # the process ("terminate called without an active exception").
+    del sender, opt, model, refit
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -25,8 +25,11 @@ def _tcp_store(rank: int, world_size: int, files: dist.FileStore) -> dist.TCPSto
 
 
 def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, backend: str,
-           store_kind: str) -> None:
+           store_kind: str, dump_after: float) -> None:
     faulthandler.enable()  # a crash in native code still names the Python frame it came from
+    # A rank still running shortly before run_ranks kills it prints every thread's Python stack: a hang
+    # in CI then says where it waited.
+    faulthandler.dump_traceback_later(dump_after, exit=False)
     store = dist.FileStore(store_path, world_size)
     if store_kind == "tcp":
         store = _tcp_store(rank, world_size, store)
@@ -43,6 +46,12 @@ def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tupl
         # Exceptions kept by pytest.raises hold the group alive past destroy_process_group, and
         # it would then die during interpreter exit ("terminate called without an active exception").
         gc.collect()
+        # torch 2.4's ProcessGroupGloo destructor waits for its worker threads holding the GIL, and a worker
+        # that drops the last reference to a Python-made tensor of a finished collective (the test's
+        # all_gather outputs) needs the GIL for it: a deadlock (2 of 25 runs of a kept-plan test, gdb:
+        # ~ProcessGroupGloo against ~AsyncAllgatherWork -> THPVariable_clear). A moment without the GIL
+        # lets the workers finish first.
+        time.sleep(0.05)
         dist.destroy_process_group()
 
 
@@ -54,7 +63,9 @@ def run_ranks(world_size: int, fn: Callable, *args, timeout: float = DEFAULT_TIM
     `store`: "file" (FileStore: no queues) or "tcp" (TCPStore, what torchrun gives: queues).
     """
     with tempfile.TemporaryDirectory() as d:
-        ctx = mp.start_processes(_entry, args=(world_size, os.path.join(d, "store"), fn, args, backend, store),
+        dump_after = max(1.0, timeout - min(10.0, timeout / 4))
+        ctx = mp.start_processes(_entry, args=(world_size, os.path.join(d, "store"), fn, args, backend, store,
+                                               dump_after),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1):
