@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one call on the device machine (nvidia-h200-x2):
-#   bash bench/device_run.sh [STEP...]     steps: env build gputest refittest refit bench trace init agree fsdp2 loadcheck loadphases soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta torchsuite_ddp accelerate (default: all but the torchsuite ones)
+#   bash bench/device_run.sh [STEP...]     steps: env build gputest refittest refit bench trace init agree fsdp2 loadcheck loadphases soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta torchsuite_ddp accelerate planhost (default: all but the torchsuite ones)
 # Builds the extension in place with the machine's own torch, then runs each step. Logs and results
 # go to $LOGS (default /tmp/device_run) and, after every step, into one archive $OUT/device_run.tgz
 # (the device tool returns at most 8 files, and a run cut short by its time limit still returns
@@ -61,6 +61,13 @@ for s in $steps; do
     loadphases) step loadphases 200 $RUN bench/profile_load.py --phases --out "$LOGS/load_phases.txt" ;;
     gpuchecks) step gpuchecks 200 $RUN bench/soak.py --mode gpu-checks --out "$LOGS/soak-gpu-checks.jsonl" ;;
     timeout) step timeout 300 $PY bench/soak.py --mode timeout --out "$LOGS/soak-timeout.jsonl" ;;
+    planhost) step planhost 300 bash -c '
+        $PY bench/plan_host.py --label current --out "$LOGS/plan_host.jsonl" || exit 1
+        $PY bench/plan_host.py --label "current, 1 inter-op thread" --interop 1 --out "$LOGS/plan_host.jsonl" || exit 1
+        # AB_BASE: a tree of another revision (git archive), carried along; built and timed the same way.
+        [ -n "${AB_BASE:-}" ] || exit 0
+        (cd "$AB_BASE" && $PY setup.py build_ext --inplace > "$LOGS/planhost_base_build.log" 2>&1) || exit 1
+        PYTHONPATH="$PWD/$AB_BASE/python" $PY bench/plan_host.py --label "base $AB_BASE" --out "$LOGS/plan_host.jsonl"' ;;
     sanitize) step sanitize 400 env OUT="$LOGS" bash bench/sanitize.sh ;;
     # PyTorch's own FSDP1 tests without and with install() (scripts/torch_suite). The device has no network
     # and torch's wheel ships no test/ tree: the caller puts one (and expecttest) in torch_tests/ (git-ignored;

@@ -1,9 +1,9 @@
 #include "plan.h"
 
+#include "chunks.h"
+
 #include <ATen/MemoryOverlap.h>
-#include <ATen/Parallel.h>
-#include <condition_variable>
-#include <mutex>
+#include <c10/core/impl/COW.h>
 
 #include <algorithm>
 #include <atomic>
@@ -94,6 +94,31 @@ void check_no_overlap(const Plan& plan) {
   }
 }
 
+// Tensors allocated one after another mostly lie in ascending order already (a
+// model's parameters: a few dozen descents in 16k): merge the ascending runs
+// rather than sort from scratch, unless there are many.
+template <typename T>
+void sort_mostly_ascending(std::vector<T>& v) {
+  std::vector<size_t> starts{0};
+  for (size_t i = 1; i < v.size(); ++i) {
+    if (v[i] < v[i - 1]) starts.push_back(i);
+  }
+  if (starts.size() > 1 + v.size() / 64) {
+    std::sort(v.begin(), v.end());
+    return;
+  }
+  while (starts.size() > 1) {
+    std::vector<size_t> merged;
+    for (size_t r = 0; r < starts.size(); r += 2) {
+      merged.push_back(starts[r]);
+      if (r + 1 == starts.size()) break;
+      const size_t end = r + 2 < starts.size() ? starts[r + 2] : v.size();
+      std::inplace_merge(v.begin() + starts[r], v.begin() + starts[r + 1], v.begin() + end);
+    }
+    starts.swap(merged);
+  }
+}
+
 }  // namespace
 
 // Layout and storage offset: what a kept plan's copy table depends on besides the address.
@@ -126,6 +151,13 @@ void lay_out_buckets(Plan& plan) {
         static_cast<int64_t>(plan.ops.size() - first_op)});
   };
   size_t first_op = 0;
+  // One op per packed tensor, plus one per bucket boundary a tensor crosses:
+  // reserved up front, as growing a table of 64k ops costs more than filling it.
+  size_t packed = 0;
+  for (const auto& u : plan.unique) packed += !u.inplace && u.nbytes > 0;
+  const size_t reserve = packed + static_cast<size_t>(plan.total_bytes / B) + 1;
+  plan.ops.reserve(reserve);
+  plan.op_unique.reserve(reserve);
   for (size_t ui = 0; ui < plan.unique.size(); ++ui) {
     auto& u = plan.unique[ui];
     if (u.inplace || u.nbytes == 0) continue;
@@ -314,13 +346,21 @@ Plan make_plan(
   };
   const auto n = static_cast<int64_t>(inputs.size());
   std::vector<Seen> seen(n);
-  std::vector<Span> spans;
-  spans.reserve(n);
+  std::vector<Span> spans(n);
   plan.keys.resize(n);
   std::vector<uint64_t> record_hash(n);  // what the fingerprint records of each input, hashed
-  for (int64_t i = 0; i < n; ++i) {
+  // A copy-on-write storage is materialized by data_ptr(): once, on this
+  // thread, after the parallel pass has flagged it (aliases may share it).
+  std::vector<uint8_t> cow(n, 0);
+  auto visit = [&](int64_t i, bool may_materialize) {
     const auto& t = inputs[i];
     check_input(plan, i, t);
+    if (!may_materialize && t.numel() > 0 &&
+        c10::impl::cow::is_cow_data_ptr(
+            static_cast<const c10::StorageImpl*>(t.unsafeGetTensorImpl()->storage().unsafeGetStorageImpl())->data_ptr())) {
+      cow[i] = 1;
+      return;
+    }
     const auto* impl = t.unsafeGetTensorImpl();
     const auto sizes = impl->sizes();
     const auto elem_size = static_cast<int32_t>(t.element_size());
@@ -336,12 +376,31 @@ Plan make_plan(
     uint64_t h = hash_mix(hash_mix(static_cast<uint64_t>(t.scalar_type()), sizes.size()), nbytes);
     for (const auto s : sizes) h = hash_mix(h, s);
     record_hash[i] = h;
-    if (nbytes > 0) {
-      const auto e = extent(t, addr, nbytes, contiguous);
-      spans.push_back(Span{e.first, e.second, i});
+    const auto e = nbytes > 0 ? extent(t, addr, nbytes, contiguous) : std::make_pair(uintptr_t{0}, uintptr_t{0});
+    spans[i] = Span{e.first, e.second, i};
+  };
+  // Each input on its own, in chunks on several threads; the first input that
+  // fails is visited again here, so that its error is the one raised.
+  std::atomic<int64_t> first_bad{n};
+  for_chunks(n, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end && i < first_bad.load(std::memory_order_relaxed); ++i) {
+      prefetch_ahead(inputs.data(), i, end);
+      try {
+        visit(i, false);
+      } catch (...) {
+        int64_t seen_bad = first_bad.load();
+        while (i < seen_bad && !first_bad.compare_exchange_weak(seen_bad, i)) {
+        }
+        return;
+      }
     }
+  });
+  const int64_t bad = first_bad.load();
+  for (int64_t i = 0; i < n; ++i) {
+    if (cow[i] || i == bad) visit(i, true);  // at `bad`, raises
   }
-  std::sort(spans.begin(), spans.end());
+  spans.erase(std::remove_if(spans.begin(), spans.end(), [](const Span& s) { return s.hi == 0; }), spans.end());
+  sort_mostly_ascending(spans);
   // The same bytes named twice (tied weights, one buffer registered in two
   // modules, a reshaped alias) are sent once: contiguous inputs with the same
   // range, or strided views with the same address, shape, strides and dtype.
@@ -408,10 +467,6 @@ Plan make_plan(
   return plan;
 }
 
-// check_unchanged's parallel pass: at most this many chunks, of at least kCheckGrain tensors.
-constexpr int64_t kCheckGrain = 2048;
-constexpr int64_t kCheckChunks = 8;
-
 std::string Plan::check_unchanged() const {
   // A sync's or refit's inputs, a refit receiver's destinations: the tensors a kept plan's tables point into.
   auto check = [&](const std::vector<at::Tensor>& tensors, const std::vector<InputKey>& ks, bool dest) {
@@ -425,41 +480,20 @@ std::string Plan::check_unchanged() const {
       const auto& k = ks[i];
       return now.addr == k.addr && now.storage == k.storage && now.shape_hash == k.shape_hash;
     };
-    // In chunks on several threads: a kept plan checks every tensor before each run, 30-45 ns each on
-    // one thread (16k tensors: 0.5-0.7 ms on the CPU machine). The first changed tensor is reported.
+    // In chunks on several threads, prefetching: a kept plan checks every tensor before each run,
+    // 30-45 ns each on one thread without (16k tensors: 0.5-0.7 ms on the CPU machine), more once the
+    // tensors outgrow the caches. The first changed tensor is reported.
     std::atomic<int64_t> first{n};
-    auto scan = [&](int64_t begin, int64_t end) {
+    for_chunks(n, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end && i < first.load(std::memory_order_relaxed); ++i) {
+        prefetch_ahead(tensors.data(), i, end);
         if (same(i)) continue;
         int64_t seen = first.load();
         while (i < seen && !first.compare_exchange_weak(seen, i)) {
         }
         return;
       }
-    };
-    // On torch's inter-op threads: torchrun sets one intra-op thread per process (OMP_NUM_THREADS=1),
-    // which would leave at::parallel_for serial exactly where the check matters.
-    const int64_t chunks = std::min<int64_t>({kCheckChunks, n / kCheckGrain, at::get_num_interop_threads() + 1});
-    if (chunks <= 1) {
-      scan(0, n);
-    } else {
-      const int64_t per = (n + chunks - 1) / chunks;
-      std::atomic<int64_t> left{chunks - 1};
-      std::mutex mu;
-      std::condition_variable done;
-      for (int64_t c = 1; c < chunks; ++c) {
-        at::launch([&, c] {
-          scan(c * per, std::min(n, (c + 1) * per));
-          if (left.fetch_sub(1) == 1) {
-            std::lock_guard<std::mutex> lock(mu);
-            done.notify_one();
-          }
-        });
-      }
-      scan(0, std::min(n, per));
-      std::unique_lock<std::mutex> lock(mu);
-      done.wait(lock, [&] { return left.load() == 0; });  // the chunks use this frame's locals
-    }
+    });
     for (int64_t i = first.load(); i < n; ++i) {
       if (same(i)) continue;
       const auto& t = tensors[i];

@@ -247,3 +247,52 @@ def test_check_unchanged_over_many_tensors_names_the_first_change():
     assert p.check_unchanged().startswith("tensor 9000") and "re-allocated" in p.check_unchanged()
     ts[3001].resize_(100)  # reshaped and re-allocated (an earlier chunk): now the first
     assert p.check_unchanged().startswith("tensor 3001"), p.check_unchanged()
+
+
+def test_planning_over_many_tensors_names_the_first_bad_one():
+    """Planning reads the tensors in chunks on several threads: the error is still the first bad input's."""
+    ts = [torch.zeros(8 + i % 5) for i in range(12000)]
+    ts[11000] = torch.zeros(3, device="meta")  # a later chunk
+    ts[7000] = torch.zeros(1).expand(4)  # a middle chunk: the first bad input
+    names = [f"t{i}" for i in range(len(ts))]
+    with pytest.raises(ValueError, match=r"tensor 7000 \('t7000'\) on rank 0 .*overlaps itself"):
+        plan(ts, names=names)
+    ts[7000] = torch.zeros(4)
+    with pytest.raises(ValueError, match=r"tensor 11000 \('t11000'\) on rank 0 is on the meta device"):
+        plan(ts, names=names)
+    ts[11000] = ts[5]  # a tie across chunks: sent once
+    p = plan(ts, names=names)
+    assert (p.num_inputs, p.num_unique) == (12000, 11999)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_lazy_clone"), reason="no copy-on-write tensors in this torch")
+def test_copy_on_write_inputs_are_materialized_once():
+    """A lazy clone shares its source's storage until written: planning materializes it (the sync writes
+    it), and the source and its clone are two tensors, even among thousands planned on several threads."""
+    ts = [torch.arange(8.0) + i for i in range(6000)]
+    ts[4500] = torch._lazy_clone(ts[10])
+    ts.append(ts[4500].view(2, 4))  # an alias of the clone
+    if hasattr(torch._C, "_is_cow_tensor"):
+        assert torch._C._is_cow_tensor(ts[4500])
+    p = plan(ts)
+    assert ts[4500].data_ptr() != ts[10].data_ptr() and torch.equal(ts[4500], ts[10])
+    assert (p.num_inputs, p.num_unique) == (6001, 6000)
+    assert p.check_unchanged() == ""
+
+
+@pytest.mark.parametrize("order", ["ascending", "a few descents", "shuffled"])
+def test_aliases_found_whatever_the_order_of_addresses(order):
+    """Aliases are found by sorting the tensors' byte ranges: ascending runs are merged, other orders sorted."""
+    import random
+    buf = torch.zeros(3000 * 8)
+    views = [buf[i * 8:(i + 1) * 8] for i in range(3000)]
+    rng = random.Random(0)
+    if order == "a few descents":
+        blocks = [views[b * 500:(b + 1) * 500] for b in (3, 0, 5, 1, 4, 2)]  # ascending within each
+        views = [v for b in blocks for v in b]
+    elif order == "shuffled":
+        rng.shuffle(views)
+    ts = views + [views[7].view(2, 4), views[2999], views[0].clone()]
+    p = plan(ts)
+    assert (p.num_inputs, p.num_unique) == (3003, 3001)
+    assert p.input_to_unique[3000] == p.input_to_unique[7] and p.input_to_unique[3001] == p.input_to_unique[2999]

@@ -1,0 +1,71 @@
+// chunks: a per-tensor pass over many tensors (planning, a kept plan's check)
+// spread over torch's inter-op threads, and the prefetch that keeps one
+// thread's pass from waiting on each TensorImpl in turn.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+
+namespace coalesced_bcast {
+
+// Below this many tensors per chunk a thread's wake-up costs more than it saves.
+constexpr int64_t kChunkGrain = 2048;
+constexpr int64_t kMaxChunks = 8;
+
+// fn(begin, end) over [0, n) in contiguous chunks: the calling thread takes the
+// first, torch's inter-op threads the others (torchrun leaves one intra-op
+// thread per process, so at::parallel_for would run serially exactly here).
+// fn must not throw: a chunk records what it finds and the caller acts on it.
+template <typename Fn>
+void for_chunks(int64_t n, const Fn& fn) {
+  const int64_t chunks = std::min<int64_t>({kMaxChunks, n / kChunkGrain, static_cast<int64_t>(at::get_num_interop_threads()) + 1});
+  if (chunks <= 1) {
+    fn(int64_t{0}, n);
+    return;
+  }
+  const int64_t per = (n + chunks - 1) / chunks;
+  std::atomic<int64_t> left{chunks - 1};
+  std::mutex mu;
+  std::condition_variable done;
+  for (int64_t c = 1; c < chunks; ++c) {
+    at::launch([&, c] {
+      fn(c * per, std::min(n, (c + 1) * per));
+      if (left.fetch_sub(1) == 1) {
+        std::lock_guard<std::mutex> lock(mu);
+        done.notify_one();
+      }
+    });
+  }
+  fn(int64_t{0}, std::min(n, per));
+  std::unique_lock<std::mutex> lock(mu);
+  done.wait(lock, [&] { return left.load() == 0; });  // the chunks use this frame's locals
+}
+
+// How far ahead a pass prefetches: a TensorImpl and its StorageImpl are each a
+// cache miss on first touch (at 64k tensors most of a pass's time), and a few
+// dozen misses in flight hide them.
+constexpr int64_t kPrefetchAhead = 8;
+
+// The TensorImpl of tensors[i + 2 * ahead] (the fields a pass reads span its
+// first three cache lines), and the StorageImpl of tensors[i + ahead], whose
+// TensorImpl an earlier call brought in.
+inline void prefetch_ahead(const at::Tensor* tensors, int64_t i, int64_t end) {
+  if (i + 2 * kPrefetchAhead < end) {
+    const auto* p = reinterpret_cast<const char*>(tensors[i + 2 * kPrefetchAhead].unsafeGetTensorImpl());
+    __builtin_prefetch(p);
+    __builtin_prefetch(p + 64);
+    __builtin_prefetch(p + 128);
+  }
+  if (i + kPrefetchAhead < end) {
+    const auto& t = tensors[i + kPrefetchAhead];
+    if (t.defined() && t.has_storage()) __builtin_prefetch(t.unsafeGetTensorImpl()->storage().unsafeGetStorageImpl());
+  }
+}
+
+}  // namespace coalesced_bcast
