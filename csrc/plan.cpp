@@ -94,6 +94,11 @@ void check_no_overlap(const Plan& plan) {
   }
 }
 
+// Planning's pass in chunks of at least this many tensors: on an H200 host
+// (16 cores, torch 2.11) 16k tensors planned in 2.20 ms with 8 chunks and 1.99
+// with 2, 64k in 9.99 ms with 8 and 11.2 with 2 (bench/plan_host.py).
+constexpr int64_t kPlanGrain = 8192;
+
 // Tensors allocated one after another mostly lie in ascending order already (a
 // model's parameters: a few dozen descents in 16k): merge the ascending runs
 // rather than sort from scratch, unless there are many.
@@ -394,7 +399,7 @@ Plan make_plan(
         return;
       }
     }
-  });
+  }, kPlanGrain);
   const int64_t bad = first_bad.load();
   for (int64_t i = 0; i < n; ++i) {
     if (cow[i] || i == bad) visit(i, true);  // at `bad`, raises

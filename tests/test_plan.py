@@ -251,32 +251,32 @@ def test_check_unchanged_over_many_tensors_names_the_first_change():
 
 def test_planning_over_many_tensors_names_the_first_bad_one():
     """Planning reads the tensors in chunks on several threads: the error is still the first bad input's."""
-    ts = [torch.zeros(8 + i % 5) for i in range(12000)]
-    ts[11000] = torch.zeros(3, device="meta")  # a later chunk
-    ts[7000] = torch.zeros(1).expand(4)  # a middle chunk: the first bad input
+    ts = [torch.zeros(8 + i % 5) for i in range(20000)]
+    ts[15000] = torch.zeros(3, device="meta")  # a later chunk
+    ts[7000] = torch.zeros(1).expand(4)  # an earlier chunk: the first bad input
     names = [f"t{i}" for i in range(len(ts))]
     with pytest.raises(ValueError, match=r"tensor 7000 \('t7000'\) on rank 0 .*overlaps itself"):
         plan(ts, names=names)
     ts[7000] = torch.zeros(4)
-    with pytest.raises(ValueError, match=r"tensor 11000 \('t11000'\) on rank 0 is on the meta device"):
+    with pytest.raises(ValueError, match=r"tensor 15000 \('t15000'\) on rank 0 is on the meta device"):
         plan(ts, names=names)
-    ts[11000] = ts[5]  # a tie across chunks: sent once
+    ts[15000] = ts[5]  # a tie across chunks: sent once
     p = plan(ts, names=names)
-    assert (p.num_inputs, p.num_unique) == (12000, 11999)
+    assert (p.num_inputs, p.num_unique) == (20000, 19999)
 
 
 @pytest.mark.skipif(not hasattr(torch, "_lazy_clone"), reason="no copy-on-write tensors in this torch")
 def test_copy_on_write_inputs_are_materialized_once():
     """A lazy clone shares its source's storage until written: planning materializes it (the sync writes
     it), and the source and its clone are two tensors, even among thousands planned on several threads."""
-    ts = [torch.arange(8.0) + i for i in range(6000)]
-    ts[4500] = torch._lazy_clone(ts[10])
-    ts.append(ts[4500].view(2, 4))  # an alias of the clone
+    ts = [torch.arange(8.0) + i for i in range(20000)]
+    ts[14500] = torch._lazy_clone(ts[10])  # in another chunk than its source
+    ts.append(ts[14500].view(2, 4))  # an alias of the clone
     if hasattr(torch._C, "_is_cow_tensor"):
-        assert torch._C._is_cow_tensor(ts[4500])
+        assert torch._C._is_cow_tensor(ts[14500])
     p = plan(ts)
-    assert ts[4500].data_ptr() != ts[10].data_ptr() and torch.equal(ts[4500], ts[10])
-    assert (p.num_inputs, p.num_unique) == (6001, 6000)
+    assert ts[14500].data_ptr() != ts[10].data_ptr() and torch.equal(ts[14500], ts[10])
+    assert (p.num_inputs, p.num_unique) == (20001, 20000)
     assert p.check_unchanged() == ""
 
 
