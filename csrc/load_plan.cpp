@@ -19,19 +19,21 @@ namespace {
 // The runs that pack unit `u` of the source (its tensor `t`), cut at bucket boundaries.
 void add_pack_runs(Plan& plan, const Unit& u, const at::Tensor& t, int64_t index, std::vector<int32_t>& run_bucket,
                    std::vector<bool>& run_host, std::vector<int64_t>& op_source) {
-  const auto what = "checkpoint tensor " + std::to_string(index) + " on source rank " +
-      std::to_string(plan.options.rank);
-  TORCH_CHECK_VALUE(t.defined() && t.layout() == at::kStrided && t.has_storage(), what,
+  // Worded only when a check fails: made for every tensor, the words cost more than the checks.
+  const auto what = [&] {
+    return "checkpoint tensor " + std::to_string(index) + " on source rank " + std::to_string(plan.options.rank);
+  };
+  TORCH_CHECK_VALUE(t.defined() && t.layout() == at::kStrided && t.has_storage(), what(),
                     " is not a dense tensor with storage");
-  TORCH_CHECK_VALUE(t.scalar_type() == u.dtype && t.numel() == u.numel, what, " is ", t.scalar_type(), " of ",
+  TORCH_CHECK_VALUE(t.scalar_type() == u.dtype && t.numel() == u.numel, what(), " is ", t.scalar_type(), " of ",
                     t.numel(), " elements, but its entry says ", u.dtype, " ", sizes_str(u));
   const bool host = !t.device().is_cuda() && plan.device.is_cuda();
-  TORCH_CHECK_VALUE(t.device() == plan.device || t.device().is_cpu(), what, " is on ", t.device(),
+  TORCH_CHECK_VALUE(t.device() == plan.device || t.device().is_cpu(), what(), " is on ", t.device(),
                     "; the model is on ", plan.device, ": use CPU tensors or the model's device");
-  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, what, " overlaps itself (an expanded view?)");
+  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, what(), " overlaps itself (an expanded view?)");
   int32_t layout = -1;
   if (!t.is_contiguous()) {
-    plan.layouts.push_back(collapse_layout(t, [&] { return what; }));
+    plan.layouts.push_back(collapse_layout(t, what));
     layout = static_cast<int32_t>(plan.layouts.size() - 1);
   }
   const auto ptr = reinterpret_cast<uint64_t>(t.data_ptr());
@@ -119,15 +121,15 @@ Plan make_load_plan(
     TORCH_CHECK_VALUE(m[0] >= 0 && m[0] < static_cast<int64_t>(units.size()), "destination ", i, " takes unit ",
                       m[0], " of ", units.size());
     const auto& u = units[m[0]];
-    const auto what = "destination " + std::to_string(i) + " on rank " + std::to_string(options.rank);
+    const auto what = [&] { return "destination " + std::to_string(i) + " on rank " + std::to_string(options.rank); };
     TORCH_CHECK_VALUE(t.defined() && t.layout() == at::kStrided && t.has_storage() && t.device() == plan.device,
-                      what, " is not a dense tensor on ", plan.device);
-    TORCH_CHECK_VALUE(t.scalar_type() == u.dtype || (castable(t.scalar_type()) && castable(u.dtype)), what,
+                      what(), " is not a dense tensor on ", plan.device);
+    TORCH_CHECK_VALUE(t.scalar_type() == u.dtype || (castable(t.scalar_type()) && castable(u.dtype)), what(),
                       " is ", t.scalar_type(), " but the checkpoint holds ", u.dtype,
                       ": only real dtypes and bool are cast");
-    TORCH_CHECK_VALUE(t.dim() == u.ndim, what, " has ", t.dim(), " dims, the checkpoint's tensor ", u.ndim);
-    TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, what, " overlaps itself");
-    TORCH_CHECK_VALUE(!t.is_conj() && !t.is_neg(), what,
+    TORCH_CHECK_VALUE(t.dim() == u.ndim, what(), " has ", t.dim(), " dims, the checkpoint's tensor ", u.ndim);
+    TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, what(), " overlaps itself");
+    TORCH_CHECK_VALUE(!t.is_conj() && !t.is_neg(), what(),
                       " has a lazy conjugate or negative bit; resolve it (resolve_conj/resolve_neg) before loading");
     if (t.numel() == 0 || u.nbytes == 0) continue;
     Box box{};
@@ -138,7 +140,7 @@ Plan make_load_plan(
       box.lo[d] = m[1 + d];
       box.hi[d] = m[1 + d] + t.size(d);
       box.strides[d] = t.stride(d);
-      TORCH_CHECK_VALUE(box.lo[d] >= 0 && box.hi[d] <= u.sizes[d], what, " holds [", box.lo[d], ", ", box.hi[d],
+      TORCH_CHECK_VALUE(box.lo[d] >= 0 && box.hi[d] <= u.sizes[d], what(), " holds [", box.lo[d], ", ", box.hi[d],
                         ") of dim ", d, ", which has ", u.sizes[d]);
       whole_rows &= d == 0 || (box.lo[d] == 0 && box.hi[d] == u.sizes[d]);
     }
@@ -173,7 +175,9 @@ Plan make_load_plan(
       e = end;
     }
   }
-  std::stable_sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.bucket < b.bucket; });
+  // Destinations come in the stream's order of their units, so pieces mostly are in bucket order already.
+  const auto by_bucket = [](const Piece& a, const Piece& b) { return a.bucket < b.bucket; };
+  if (!std::is_sorted(pieces.begin(), pieces.end(), by_bucket)) std::stable_sort(pieces.begin(), pieces.end(), by_bucket);
 
   plan.buckets.resize(num_buckets);
   for (int64_t k = 0; k < num_buckets; ++k) plan.buckets[k].nbytes = sizes[k];

@@ -135,7 +135,9 @@ InputKey key_of(const at::Tensor& t, uintptr_t addr) {
 
 std::vector<InputKey> keys_of(const std::vector<at::Tensor>& tensors) {
   std::vector<InputKey> out(tensors.size(), InputKey{0, nullptr, 0});
-  for (size_t i = 0; i < tensors.size(); ++i) {
+  const auto n = static_cast<int64_t>(tensors.size());
+  for (int64_t i = 0; i < n; ++i) {
+    prefetch_ahead(tensors.data(), i, n);
     const auto& t = tensors[i];
     if (t.defined()) out[i] = key_of(t, t.numel() > 0 && t.has_storage() ? reinterpret_cast<uintptr_t>(t.data_ptr()) : 0);
   }

@@ -109,17 +109,19 @@ Plan make_refit_plan(
       int64_t src_size = 0;
       uint64_t src_ptr = 0;
       if (mine) {
-        std::string what = "tensor " + std::to_string(i);
-        if (i < plan.names.size()) what += " ('" + plan.names[i] + "')";
-        what += " on trainer rank " + std::to_string(trainer_rank);
+        const auto what = [&] {  // worded only when a check fails
+          std::string w = "tensor " + std::to_string(i);
+          if (i < plan.names.size()) w += " ('" + plan.names[i] + "')";
+          return w + " on trainer rank " + std::to_string(trainer_rank);
+        };
         TORCH_CHECK_VALUE(t.defined() && t.layout() == at::kStrided && t.has_storage() && t.device() == plan.device,
-                          what, " is not a dense tensor on ", plan.device);
-        TORCH_CHECK_VALUE(t.numel() == e_hi - e_lo, what, " has ", t.numel(), " elements; its rows [", lo, ", ", hi,
+                          what(), " is not a dense tensor on ", plan.device);
+        TORCH_CHECK_VALUE(t.numel() == e_hi - e_lo, what(), " has ", t.numel(), " elements; its rows [", lo, ", ", hi,
                           ") of ", sizes_str(u), " have ", e_hi - e_lo);
-        TORCH_CHECK_VALUE(t.is_contiguous() && !t.is_conj() && !t.is_neg(), what,
+        TORCH_CHECK_VALUE(t.is_contiguous() && !t.is_conj() && !t.is_neg(), what(),
                           " is not contiguous (or has a lazy conjugate or negative bit): a refit reads shards in "
                           "place and copies none");
-        TORCH_CHECK_VALUE(t.scalar_type() == u.dtype || (castable(t.scalar_type()) && castable(u.dtype)), what,
+        TORCH_CHECK_VALUE(t.scalar_type() == u.dtype || (castable(t.scalar_type()) && castable(u.dtype)), what(),
                           " is ", t.scalar_type(), " and would be sent as ", u.dtype,
                           ": only real dtypes and bool are cast");
         src_size = static_cast<int64_t>(t.element_size());
