@@ -20,6 +20,9 @@ namespace coalesced_bcast {
 constexpr int64_t kChunkGrain = 2048;
 constexpr int64_t kMaxChunks = 8;
 
+// False in a process forked from one that loaded this module (chunks.cpp).
+bool pool_usable();
+
 // fn(begin, end) over [0, n) in contiguous chunks: the calling thread takes the
 // first, torch's inter-op threads the others (torchrun leaves one intra-op
 // thread per process, so at::parallel_for would run serially exactly here).
@@ -27,7 +30,7 @@ constexpr int64_t kMaxChunks = 8;
 template <typename Fn>
 void for_chunks(int64_t n, const Fn& fn, int64_t grain = kChunkGrain) {
   const int64_t chunks = std::min<int64_t>({kMaxChunks, n / grain, static_cast<int64_t>(at::get_num_interop_threads()) + 1});
-  if (chunks <= 1) {
+  if (chunks <= 1 || !pool_usable()) {
     fn(int64_t{0}, n);
     return;
   }

@@ -296,3 +296,30 @@ def test_aliases_found_whatever_the_order_of_addresses(order):
     p = plan(ts)
     assert (p.num_inputs, p.num_unique) == (3003, 3001)
     assert p.input_to_unique[3000] == p.input_to_unique[7] and p.input_to_unique[3001] == p.input_to_unique[2999]
+
+
+_FORKED_CHILD = """
+import os, sys, torch
+from coalesced_bcast import _C
+ts = [torch.zeros(8) for _ in range(20000)]
+_C.Plan(ts, [], 1 << 20, 2, 1 << 30, 1 << 30, 0)  # the parent's planning starts torch's inter-op pool
+pid = os.fork()
+if pid == 0:
+    p = _C.Plan(ts, [], 1 << 20, 2, 1 << 30, 1 << 30, 0)
+    os._exit(0 if p.num_unique == 20000 and p.check_unchanged() == "" else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork here")
+def test_a_forked_child_plans_without_the_parents_thread_pool():
+    """torch's inter-op pool has no threads in a forked child: planning and the check run on the calling
+    thread there (handed to the pool, they waited forever)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "python"), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _FORKED_CHILD], env=env, timeout=120, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
