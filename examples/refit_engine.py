@@ -74,7 +74,8 @@ def main():
         stats = receiver.receive()
         logging.info("step %d: %d tensors in %d buckets, %.1f ms%s", step, stats.tensors, stats.buckets,
                      stats.seconds * 1e3, ", verified" if stats.verified else "")
-    del receiver, refit  # the group goes now, not during interpreter exit (see refit_trainer.py)
+    refit.barrier().wait()  # quiet, then drop the group now, not during interpreter exit (see refit_trainer.py)
+    del receiver, refit
     gc.collect()
 
 

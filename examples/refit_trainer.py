@@ -93,9 +93,13 @@ def main():
         if rank == 0:
             logging.info("step %d: loss %.4f, refit of %d tensors (%.1f MiB) in %.1f ms", step, loss.item(),
                          stats.tensors, stats.bytes / 2**20, stats.seconds * 1e3)
-    # Free what holds the groups before tearing them down: a group that outlives destroy_process_group
-    # (FSDP's modules keep reference cycles) is destroyed during interpreter exit, where gloo's can abort
-    # the process ("terminate called without an active exception").
+    # Quiet groups before tearing them down: gloo's worker threads release a finished collective's
+    # tensors under the GIL, and a group torn down (or dropped) while one still does can deadlock or
+    # abort the process ("terminate called without an active exception"). Then free what holds the
+    # groups (FSDP's modules keep reference cycles), so that none is destroyed during interpreter exit.
+    if refit is not None:
+        refit.barrier().wait()
+    dist.barrier()
     del sender, opt, model, refit
     gc.collect()
     dist.destroy_process_group()

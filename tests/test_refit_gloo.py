@@ -354,7 +354,9 @@ def test_examples_trainer_and_engine_on_cpu():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "python"), os.environ.get("PYTHONPATH", "")]))
+    # PYTHONFAULTHANDLER: a process that aborts prints every thread's Python stack (where it was).
+    env = dict(os.environ, PYTHONFAULTHANDLER="1",
+               PYTHONPATH=os.pathsep.join([os.path.join(root, "python"), os.environ.get("PYTHONPATH", "")]))
     trainer = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                 os.path.join(root, "examples", "refit_trainer.py"), "--cpu", "--port", port],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
