@@ -72,4 +72,23 @@ inline void prefetch_ahead(const at::Tensor* tensors, int64_t i, int64_t end) {
   }
 }
 
+// The lowest i in [0, n) for which ok(i) is false, or n: tensors[i] checked in
+// chunks (for_chunks), prefetching, each chunk stopping at its first failure or
+// once a lower one is known. ok must not throw.
+template <typename Ok>
+int64_t first_failing(const at::Tensor* tensors, int64_t n, const Ok& ok, int64_t grain = kChunkGrain) {
+  std::atomic<int64_t> first{n};
+  for_chunks(n, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end && i < first.load(std::memory_order_relaxed); ++i) {
+      prefetch_ahead(tensors, i, end);
+      if (ok(i)) continue;
+      int64_t seen = first.load();
+      while (i < seen && !first.compare_exchange_weak(seen, i)) {
+      }
+      return;
+    }
+  }, grain);
+  return first.load();
+}
+
 }  // namespace coalesced_bcast

@@ -6,7 +6,6 @@
 #include <c10/core/impl/COW.h>
 
 #include <algorithm>
-#include <atomic>
 #include <sstream>
 #include <tuple>
 #include <unordered_map>
@@ -388,21 +387,14 @@ Plan make_plan(
   };
   // Each input on its own, in chunks on several threads; the first input that
   // fails is visited again here, so that its error is the one raised.
-  std::atomic<int64_t> first_bad{n};
-  for_chunks(n, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end && i < first_bad.load(std::memory_order_relaxed); ++i) {
-      prefetch_ahead(inputs.data(), i, end);
-      try {
-        visit(i, false);
-      } catch (...) {
-        int64_t seen_bad = first_bad.load();
-        while (i < seen_bad && !first_bad.compare_exchange_weak(seen_bad, i)) {
-        }
-        return;
-      }
+  const int64_t bad = first_failing(inputs.data(), n, [&](int64_t i) {
+    try {
+      visit(i, false);
+      return true;
+    } catch (...) {
+      return false;
     }
   }, kPlanGrain);
-  const int64_t bad = first_bad.load();
   for (int64_t i = 0; i < n; ++i) {
     if (cow[i] || i == bad) visit(i, true);  // at `bad`, raises
   }
@@ -490,35 +482,22 @@ std::string Plan::check_unchanged() const {
     // In chunks on several threads, prefetching: a kept plan checks every tensor before each run,
     // 30-45 ns each on one thread without (16k tensors: 0.5-0.7 ms on the CPU machine), more once the
     // tensors outgrow the caches. The first changed tensor is reported.
-    std::atomic<int64_t> first{n};
-    for_chunks(n, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end && i < first.load(std::memory_order_relaxed); ++i) {
-        prefetch_ahead(tensors.data(), i, end);
-        if (same(i)) continue;
-        int64_t seen = first.load();
-        while (i < seen && !first.compare_exchange_weak(seen, i)) {
-        }
-        return;
-      }
-    });
-    for (int64_t i = first.load(); i < n; ++i) {
-      if (same(i)) continue;
-      const auto& t = tensors[i];
-      const auto addr = t.numel() > 0 && t.has_storage() ? reinterpret_cast<uintptr_t>(t.data_ptr()) : 0;
-      const auto now = key_of(t, addr);
-      const auto& k = ks[i];
-      // Worded only for the tensor that changed: naming every tensor cost more than the check itself.
-      const auto who = dest ? "destination " + std::to_string(i) + " on rank " + std::to_string(options.rank)
-                            : describe(static_cast<int64_t>(i));
-      if (now.addr != k.addr || now.storage != k.storage) {
-        return who + " was re-allocated since the plan was made (its data moved)";
-      }
-      std::ostringstream s;
-      s << who << " changed shape, strides or dtype since the plan was made (now " << t.sizes() << ", strides "
-        << t.strides() << ", " << t.scalar_type() << ")";
-      return s.str();
+    const int64_t i = first_failing(tensors.data(), n, same);
+    if (i == n) return std::string();
+    const auto& t = tensors[i];
+    const auto addr = t.numel() > 0 && t.has_storage() ? reinterpret_cast<uintptr_t>(t.data_ptr()) : 0;
+    const auto now = key_of(t, addr);
+    const auto& k = ks[i];
+    // Worded only for the tensor that changed: naming every tensor cost more than the check itself.
+    const auto who = dest ? "destination " + std::to_string(i) + " on rank " + std::to_string(options.rank)
+                          : describe(static_cast<int64_t>(i));
+    if (now.addr != k.addr || now.storage != k.storage) {
+      return who + " was re-allocated since the plan was made (its data moved)";
     }
-    return std::string();
+    std::ostringstream s;
+    s << who << " changed shape, strides or dtype since the plan was made (now " << t.sizes() << ", strides "
+      << t.strides() << ", " << t.scalar_type() << ")";
+    return s.str();
   };
   auto why = check(inputs, keys, false);
   return why.empty() ? check(dests, dest_keys, true) : why;
