@@ -202,7 +202,19 @@ class Bench:
 
     @staticmethod
     def load(model: nn.Module, sd, options: dict):
-        return coalesced_bcast.load_full_state_dict(model, sd, src=0, **options)
+        env = options.pop("env", None)
+        if env is None:
+            return coalesced_bcast.load_full_state_dict(model, sd, src=0, **options)
+        name, value = env.split("=", 1)
+        before = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return coalesced_bcast.load_full_state_dict(model, sd, src=0, **options)
+        finally:
+            if before is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = before
 
     def h2d(self, sd: dict) -> None:
         """One large pinned copy (the anchors' measure), the same bytes in 16 MiB copies, and pageable."""
@@ -237,9 +249,10 @@ class Bench:
         sources = ["pageable"] if self.cpu else args.sources
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        methods = [("dcp", {}), ("coalesced_bcast", {})]
+        methods = ([] if args.no_dcp else [("dcp", {})]) + [("coalesced_bcast", {})]
         methods += [(f"coalesced_bcast_b{b >> 20}M", dict(bucket_bytes=b)) for b in args.extra_buckets]
         methods += [(f"coalesced_bcast_t{t}", dict(copy_threads=t)) for t in args.extra_threads]
+        methods += [(f"coalesced_bcast[{e}]", dict(env=e)) for e in args.extra_env]
         for source in sources:
             t0 = time.perf_counter()
             sd = make_source(specs, source, seed, gen_device) if self.rank == 0 else None
@@ -270,11 +283,65 @@ class Bench:
                               bitwise_ok=ok, **row)
                     if last:
                         break
+                if args.trace and name == "coalesced_bcast" and not self.cpu:
+                    self.trace(fn, f"{kind}_{source}")
             del sd
         del model
         self.sync()
         if not self.cpu:
             torch.cuda.empty_cache()
+
+    def trace(self, fn, what: str) -> None:
+        """One more load under torch.profiler; rank 0 writes where the GPU time went, per stream, and the
+        host's longest waits (args.trace/<what>.txt)."""
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        if self.rank != 0:
+            return
+        os.makedirs(self.args.trace, exist_ok=True)
+        path = os.path.join(self.args.trace, f"{what}.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+        lines = [f"# {what}: one traced load on rank 0 ({torch.__version__})"]
+        gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        t0 = min(e["ts"] for e in gpu) if gpu else 0
+        t1 = max(e["ts"] + e["dur"] for e in gpu) if gpu else 0
+        lines.append(f"GPU span {(t1 - t0) / 1e3:.2f} ms")
+        by_stream: dict = {}
+        for e in gpu:
+            by_stream.setdefault(e["args"].get("stream"), []).append(e)
+        for stream, es in sorted(by_stream.items(), key=lambda kv: -sum(e["dur"] for e in kv[1])):
+            es.sort(key=lambda e: e["ts"])
+            busy = sum(e["dur"] for e in es)
+            gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(es, es[1:])]
+            big = sorted(g for g in gaps if g > 20)
+            kinds: dict = {}
+            for e in es:
+                k = kinds.setdefault((e["cat"], e["name"][:60]), [0, 0.0])
+                k[0] += 1
+                k[1] += e["dur"]
+            lines.append(f"stream {stream}: {len(es)} ops, busy {busy / 1e3:.2f} ms of {(es[-1]['ts'] + es[-1]['dur'] - es[0]['ts']) / 1e3:.2f} ms; "
+                         f"gaps > 20 us: {len(big)}, {sum(big) / 1e3:.2f} ms (largest {big[-5:] if big else []})")
+            for (cat, name), (n, dur) in sorted(kinds.items(), key=lambda kv: -kv[1][1])[:6]:
+                lines.append(f"    {cat:11s} {n:6d} x  {dur / 1e3:8.2f} ms  {name}")
+        host: dict = {}
+        for e in events:
+            if e.get("cat") == "cuda_runtime" or e.get("cat") == "cuda_driver":
+                k = host.setdefault(e["name"], [0, 0.0, 0.0])
+                k[0] += 1
+                k[1] += e["dur"]
+                k[2] = max(k[2], e["dur"])
+        lines.append("host CUDA calls (count, total ms, longest ms):")
+        for name, (n, dur, mx) in sorted(host.items(), key=lambda kv: -kv[1][1])[:10]:
+            lines.append(f"    {n:6d} x {dur / 1e3:8.2f} ms  max {mx / 1e3:6.2f}  {name}")
+        text = "\n".join(lines) + "\n"
+        print(text, flush=True)
+        with open(os.path.join(self.args.trace, f"{what}.txt"), "w") as f:
+            f.write(text)
+        os.remove(path)
 
     def summary(self) -> None:
         gathered: list = [None] * self.ws
@@ -351,6 +418,11 @@ def main() -> None:
     # threads slower than the default 8; off by default so the whole run fits one device call.
     p.add_argument("--extra-buckets", default="", help="MiB, comma-separated; extra coalesced_bcast rows with these bucket sizes")
     p.add_argument("--extra-threads", default="", help="extra coalesced_bcast rows (pageable) with these copy_threads")
+    p.add_argument("--extra-env", default="", help="extra coalesced_bcast rows, each with NAME=VALUE set in the environment "
+                   "during its loads (comma-separated)")
+    p.add_argument("--no-dcp", action="store_true", help="leave out DCP's rows")
+    p.add_argument("--trace", default=None, help="a directory: one more load of each state and source under "
+                   "torch.profiler, summarized there (GPU)")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--inter", type=int, default=14336)
@@ -371,6 +443,7 @@ def main() -> None:
         args.moe_layers, args.moe_hidden, args.moe_inter, args.moe_experts, args.moe_vocab = 2, 64, 48, 4, 1001
     args.extra_buckets = [int(x) << 20 for x in args.extra_buckets.split(",") if x]
     args.extra_threads = [int(x) for x in args.extra_threads.split(",") if x]
+    args.extra_env = [x for x in args.extra_env.split(",") if x]
     args.sources = args.sources.split(",")
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")

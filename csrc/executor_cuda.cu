@@ -6,7 +6,8 @@
 //
 // A load whose source tensors are in host memory adds a host stage on the
 // source: large runs of pinned tensors are copied to the device slot directly
-// (the copy engine reads them where they are); the others are packed into a
+// (the copy engine reads them where they are); small pinned runs are read by
+// the copy kernel over the bus; the others (pageable memory) are packed into a
 // pinned host slot by the stager's threads and copied up in as few transfers
 // as their offsets allow. Before the call returns the copy stream is waited
 // for on the host: the caller may free or change its CPU tensors at once.
@@ -83,7 +84,7 @@ class CudaExecutor final : public Executor {
       send_done.record(send_);
       send_done.block(caller_);
     }
-    if (host_ring_.defined()) copy_done.synchronize();  // the host copies read the caller's CPU tensors
+    if (host_ring_.defined() || read_host_) copy_done.synchronize();  // the copies read the caller's CPU tensors
   }
 
   std::optional<c10::Stream> stream(Lane lane) override {
@@ -105,7 +106,7 @@ class CudaExecutor final : public Executor {
   // The device copy of the plan's tables, one after another: pack runs,
   // layouts, scatter runs, boxes, a refit's permute runs.
   int64_t table_bytes() const override {
-    return offsets_[5];
+    return offsets_[6];
   }
 
   void set_table(at::Tensor table) override {
@@ -116,6 +117,7 @@ class CudaExecutor final : public Executor {
     std::memcpy(h + offsets_[2], plan_.scatter.data(), plan_.scatter.size() * sizeof(ScatterOp));
     std::memcpy(h + offsets_[3], plan_.boxes.data(), plan_.boxes.size() * sizeof(Box));
     std::memcpy(h + offsets_[4], plan_.permute.data(), plan_.permute.size() * sizeof(ScatterOp));
+    std::memcpy(h + offsets_[5], plan_.host_ops.data(), plan_.host_ops.size() * sizeof(CopyOp));
     c10::cuda::CUDAStreamGuard guard(copy_);
     table.copy_(host, /*non_blocking=*/true);
     auto* d = table.data_ptr<uint8_t>();
@@ -124,6 +126,7 @@ class CudaExecutor final : public Executor {
     scatter_ = reinterpret_cast<const ScatterOp*>(d + offsets_[2]);
     boxes_ = reinterpret_cast<const Box*>(d + offsets_[3]);
     permute_ = reinterpret_cast<const ScatterOp*>(d + offsets_[4]);
+    host_ops_ = reinterpret_cast<const CopyOp*>(d + offsets_[5]);
   }
 
   int64_t host_bytes() const override {
@@ -158,26 +161,64 @@ class CudaExecutor final : public Executor {
     std::vector<int64_t> o{0};
     for (int64_t bytes : {plan.ops.size() * sizeof(CopyOp), plan.layouts.size() * sizeof(Layout),
                           plan.scatter.size() * sizeof(ScatterOp), plan.boxes.size() * sizeof(Box),
-                          plan.permute.size() * sizeof(ScatterOp)}) {
+                          plan.permute.size() * sizeof(ScatterOp), plan.host_ops.size() * sizeof(CopyOp)}) {
       o.push_back(align_up(o.back() + bytes, kAlign));
     }
     return o;
   }
 
+  // Page-locked host memory that kernels can read at the same address (mapped, as cudaHostAlloc's is
+  // under unified addressing); pageable memory answers no.
   bool pinned(uint64_t ptr) {
     auto it = pinned_.find(ptr);
     if (it != pinned_.end()) return it->second;
     cudaPointerAttributes attr{};
     const bool yes = cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(ptr)) == cudaSuccess &&
-        attr.type == cudaMemoryTypeHost;
+        attr.type == cudaMemoryTypeHost && reinterpret_cast<uint64_t>(attr.devicePointer) == ptr;
     (void)cudaGetLastError();  // pageable memory may report an error on older drivers
     return pinned_[ptr] = yes;
   }
 
-  // Bucket k's host-memory runs into the device slot, on the copy lane.
+  // COALESCED_BCAST_HOST_READ=stage: small pinned runs go through the host ring like pageable ones
+  // (an A/B switch of the bench, read per bucket).
+  static bool kernel_reads_host() {
+    const char* v = std::getenv("COALESCED_BCAST_HOST_READ");
+    return v == nullptr || std::string(v) != "stage";
+  }
+
+  // A run the copy engine takes straight from the caller's pinned tensor.
+  bool direct(const CopyOp& op) {
+    return op.layout < 0 && op.nbytes >= kDirectMin && pinned(op.tensor_ptr);
+  }
+
+  // Bucket k's host-memory runs into the device slot, on the copy lane. Large pinned runs: the copy
+  // engine, straight from the tensor. The others, when all of them are pinned: the copy kernel,
+  // reading host memory over the bus in one launch (no host copy, and the host never waits for an
+  // earlier copy to free a staging slot: waits that let the copy engine's queue run dry). Else
+  // through the pinned host ring, packed by the stager's threads and copied up.
   void stage(int64_t bucket, const at::Tensor& slot) {
     const auto& b = plan_.buckets.at(bucket);
     const int64_t s = bucket % plan_.ring_slots;
+    uint8_t* dev = slot.data_ptr<uint8_t>();
+    bool others_pinned = true;
+    int64_t others = 0;
+    for (int64_t i = b.first_host; i < b.first_host + b.num_host; ++i) {
+      const auto& op = plan_.host_ops[i];
+      if (direct(op)) {
+        C10_CUDA_CHECK(cudaMemcpyAsync(dev + op.bucket_offset, reinterpret_cast<const uint8_t*>(op.tensor_ptr) +
+                                       op.tensor_offset, op.nbytes, cudaMemcpyHostToDevice, copy_.stream()));
+      } else {
+        ++others;
+        others_pinned = others_pinned && pinned(op.tensor_ptr);
+      }
+    }
+    if (others == 0) return;
+    if (others_pinned && kernel_reads_host()) {
+      read_host_ = true;
+      launch_copy_bucket(dev, b.nbytes, host_ops_ + b.first_host, b.num_host, layouts_, /*pack=*/true,
+                         copy_.stream(), /*skip_min=*/kDirectMin);  // skips exactly the direct runs: all are pinned
+      return;
+    }
     if (!host_ring_.defined()) {
       host_ring_ = at::empty({plan_.ring_slots * plan_.slot_bytes},
                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
@@ -185,19 +226,11 @@ class CudaExecutor final : public Executor {
       host_used_.assign(plan_.ring_slots, false);
       stager_ = std::make_unique<HostStager>(plan_.options.copy_threads);
     }
-    uint8_t* dev = slot.data_ptr<uint8_t>();
     uint8_t* host = host_ring_.data_ptr<uint8_t>() + s * plan_.slot_bytes;
     staged_.clear();
     for (int64_t i = b.first_host; i < b.first_host + b.num_host; ++i) {
-      const auto& op = plan_.host_ops[i];
-      if (op.layout < 0 && op.nbytes >= kDirectMin && pinned(op.tensor_ptr)) {
-        C10_CUDA_CHECK(cudaMemcpyAsync(dev + op.bucket_offset, reinterpret_cast<const uint8_t*>(op.tensor_ptr) +
-                                       op.tensor_offset, op.nbytes, cudaMemcpyHostToDevice, copy_.stream()));
-      } else {
-        staged_.push_back(op);
-      }
+      if (!direct(plan_.host_ops[i])) staged_.push_back(plan_.host_ops[i]);
     }
-    if (staged_.empty()) return;
     if (host_used_[s]) host_free_[s].synchronize();  // the copy that last read this pinned slot is done
     stager_->stage(staged_.data(), static_cast<int64_t>(staged_.size()), plan_.layouts, host);
     // Up in spans of runs that are back to back but for alignment padding (under kAlign bytes):
@@ -241,6 +274,8 @@ class CudaExecutor final : public Executor {
   const ScatterOp* scatter_ = nullptr;
   const Box* boxes_ = nullptr;
   const ScatterOp* permute_ = nullptr;
+  const CopyOp* host_ops_ = nullptr;
+  bool read_host_ = false;  // a kernel read the caller's host tensors: end() waits for it
   // The host stage (a load's source with tensors in host memory).
   at::Tensor host_ring_;
   std::vector<at::cuda::CUDAEvent> host_free_;

@@ -63,7 +63,8 @@ __global__ void __launch_bounds__(kThreads) copy_bucket_kernel(
     int64_t nbytes,
     const CopyOp* __restrict__ ops,
     int64_t num_ops,
-    const Layout* __restrict__ layouts) {
+    const Layout* __restrict__ layouts,
+    int64_t skip_min) {
   __shared__ int64_t first;
   const int64_t windows = (nbytes + kChunk - 1) / kChunk;
   // One window per block, unless the grid was capped (copy_blocks_cap): then blocks stride over them.
@@ -94,6 +95,7 @@ __global__ void __launch_bounds__(kThreads) copy_bucket_kernel(
       }
       if (i >= num_ops) break;
       if (pos < op.bucket_offset) continue;  // alignment padding between runs
+      if (op.layout < 0 && op.nbytes >= skip_min) continue;  // copied another way (launch_copy_bucket)
       const int64_t in_op = pos - op.bucket_offset;
       const int n = static_cast<int>(min(kAlign, op.nbytes - in_op));
       copy_unit<kPack>(bucket + pos, op, in_op, n, layouts);
@@ -116,16 +118,17 @@ void launch_copy_bucket(
     int64_t num_ops,
     const Layout* layouts,
     bool pack,
-    cudaStream_t stream) {
+    cudaStream_t stream,
+    int64_t skip_min) {
   const int64_t windows = (nbytes + kChunk - 1) / kChunk;
   TORCH_CHECK(windows > 0 && windows <= INT_MAX, "bucket of ", nbytes, " bytes needs ", windows, " blocks");
   const int64_t blocks = std::min(windows, copy_blocks_cap());
   if (pack) {
     copy_bucket_kernel<true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        bucket, nbytes, ops, num_ops, layouts);
+        bucket, nbytes, ops, num_ops, layouts, skip_min);
   } else {
     copy_bucket_kernel<false><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        bucket, nbytes, ops, num_ops, layouts);
+        bucket, nbytes, ops, num_ops, layouts, skip_min);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

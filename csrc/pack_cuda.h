@@ -14,7 +14,10 @@ namespace coalesced_bcast {
 int64_t copy_blocks_cap();
 
 // One launch copying a whole bucket between the ring slot and the tensors that
-// the bucket's runs (device-resident, sorted by bucket offset) point at.
+// the bucket's runs (the table device-resident, sorted by bucket offset) point
+// at: device memory, or page-locked host memory that the kernel reads over the
+// bus. Contiguous runs of skip_min bytes or more are left out (the caller
+// copies them another way).
 void launch_copy_bucket(
     uint8_t* bucket,
     int64_t nbytes,
@@ -22,7 +25,8 @@ void launch_copy_bucket(
     int64_t num_ops,
     const Layout* layouts,
     bool pack,
-    cudaStream_t stream);
+    cudaStream_t stream,
+    int64_t skip_min = INT64_MAX);
 
 // One launch of a bucket's cast copies (ScatterOp runs, device-resident):
 // each reads src_base + bucket_offset and writes dst_base + dst_ptr (a load:

@@ -5,6 +5,8 @@ copied straight from pinned memory and staged by threads), strided sources, a tr
 
 Skipped without a GPU; bench/device_run.sh runs it (gputest).
 """
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -15,7 +17,7 @@ from dist_utils import run_ranks
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a GPU")
 
 
-def _mixed_body(rank, world_size):
+def _mixed_body(rank, world_size, pinned_only=False):
     dev = torch.device("cuda", 0)
     g = torch.Generator().manual_seed(4)
     shapes = [(300, 1024), (7,), (256, 257), (1000,), (64, 4096), (3, 5, 7)] + [(50 + i,) for i in range(120)]
@@ -26,6 +28,9 @@ def _mixed_body(rank, world_size):
         full[f"p{i}"] = t
     kinds = [lambda v: v.to(dev), lambda v: v.pin_memory(), lambda v: v,
              lambda v: v.t().contiguous().t() if v.dim() == 2 else v]  # device, pinned, pageable, strided
+    strided_pinned = {"p4"}  # 1 MiB, read element by element by the copy kernel
+    if pinned_only:  # every host run pinned: p0's large runs by the copy engine, the others by the copy kernel
+        kinds = [lambda v: v.pin_memory()]
     for cast in (False, True):
         model = nn.Module()
         for k, v in full.items():
@@ -34,7 +39,10 @@ def _mixed_body(rank, world_size):
             if k == "p2":  # a transposed destination: written through the boxed path
                 p = torch.full(v.shape[::-1], -1.0, dtype=dtype, device=dev).t()
             model.register_parameter(k, nn.Parameter(p))
-        sd = {k: kinds[i % 4](v) for i, (k, v) in enumerate(full.items())}
+        sd = {k: kinds[i % len(kinds)](v) for i, (k, v) in enumerate(full.items())}
+        if pinned_only:
+            sd.update({k: full[k].t().contiguous().t().pin_memory() for k in strided_pinned})
+            assert all(v.is_pinned() for v in sd.values()) and not sd["p4"].is_contiguous()
         stats = coalesced_bcast.load_full_state_dict(model, sd, bucket_bytes=256 << 10, copy_threads=3)
         torch.cuda.synchronize()
         for k, v in full.items():
@@ -46,7 +54,10 @@ def _mixed_body(rank, world_size):
                                                           if cast else 0)
         # p0 (1.2 MB on the GPU) spans several buckets: those inside it go straight from it (direct buckets),
         # and the source's own scatter reads them there, casting when asked
-        assert stats.direct_buckets >= 3, stats
+        assert stats.direct_buckets >= 3 or pinned_only, stats
+        if pinned_only:  # the host ring is only made for runs that the copy kernel does not read
+            staged = os.environ.get("COALESCED_BCAST_HOST_READ") == "stage"
+            assert (stats.host_ring_bytes > 0) == staged, stats
 
 
 @pytest.mark.parametrize("copy_blocks", [None, "2"])
@@ -55,3 +66,13 @@ def test_load_mixed_sources_on_one_gpu(copy_blocks, monkeypatch):
     if copy_blocks:
         monkeypatch.setenv("COALESCED_BCAST_COPY_BLOCKS", copy_blocks)
     run_ranks(1, _mixed_body, backend="nccl", timeout=200)
+
+
+@pytest.mark.parametrize("host_read", [None, "stage"])
+def test_load_pinned_sources_on_one_gpu(host_read, monkeypatch):
+    """Every source tensor pinned (contiguous and strided, small and large): the copy kernel reads the
+    small and strided runs from host memory, the copy engine the large ones; host_read=stage: the small
+    ones through the host ring instead (COALESCED_BCAST_HOST_READ, the bench's A/B switch)."""
+    if host_read:
+        monkeypatch.setenv("COALESCED_BCAST_HOST_READ", host_read)
+    run_ranks(1, _mixed_body, True, backend="nccl", timeout=200)
