@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "cast.h"
+#include "chunks.h"
 #include "plan.h"
 #include "units.h"
 
@@ -89,12 +90,15 @@ Plan make_load_plan(
   std::vector<int32_t> run_bucket;
   std::vector<bool> run_host;
   std::vector<int64_t> op_source;  // per device pack run (plan.ops), the source tensor it reads
-  for (size_t i = 0; i < sources.size(); ++i) {
+  run_bucket.reserve(sources.size());
+  run_host.reserve(sources.size());
+  const auto num_sources = static_cast<int64_t>(sources.size());
+  for (int64_t i = 0; i < num_sources; ++i) {
+    prefetch_ahead(sources.data(), i, num_sources);  // each tensor's first touch is a cache miss
     auto& t = sources[i];
     // A lazy conjugate or negative bit is not in the bytes: resolve it (a copy of that tensor alone).
     if (t.defined() && (t.is_conj() || t.is_neg())) t = t.resolve_conj().resolve_neg();
-    if (units[i].nbytes > 0) add_pack_runs(plan, units[i], t, static_cast<int64_t>(i), run_bucket, run_host,
-                                                    op_source);
+    if (units[i].nbytes > 0) add_pack_runs(plan, units[i], t, i, run_bucket, run_host, op_source);
   }
   for (const auto& u : units) plan.units_sent += u.nbytes > 0;
 
@@ -115,7 +119,9 @@ Plan make_load_plan(
   };
   std::vector<Piece> pieces;
   pieces.reserve(dests.size() + static_cast<size_t>(num_buckets));
-  for (size_t i = 0; i < dests.size(); ++i) {
+  const auto num_dests = static_cast<int64_t>(dests.size());
+  for (int64_t i = 0; i < num_dests; ++i) {
+    prefetch_ahead(dests.data(), i, num_dests);
     const auto& t = dests[i];
     const int64_t* m = meta.data_ptr<int64_t>() + i * (1 + kMaxDims);
     TORCH_CHECK_VALUE(m[0] >= 0 && m[0] < static_cast<int64_t>(units.size()), "destination ", i, " takes unit ",
