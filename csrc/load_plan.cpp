@@ -282,6 +282,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>>
   std::vector<Key> keys;
   keys.reserve(n);
   for (int64_t i = 0; i < n; ++i, row += 2 + kMaxDims) {
+    prefetch_ahead(tensors.data(), i, n);
     const auto& t = tensors[i];
     c[i] = i;
     std::string problem;
