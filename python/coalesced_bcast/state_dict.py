@@ -6,12 +6,13 @@ share a tensor), every rank matches keys as load_state_dict does and finds the b
 that it holds (a DTensor shard, or all of it), and one agreement settles that every rank can load
 before anything is written. The transfer is one C++ plan (``_C.load_plan``): the checkpoint tensors
 laid out back to back in buckets of ``bucket_bytes``; the source packs each bucket (device tensors
-by a kernel; host tensors by direct copies from pinned memory or by ``copy_threads`` threads through
-a pinned staging ring), it is broadcast, and every rank writes out of it only its own shards, cast
-in the kernel where the model's dtype differs (csrc/load_plan.cpp, csrc/scatter_cuda.cu).
+and small pinned host tensors by a kernel, large pinned runs by the copy engine, pageable tensors by
+``copy_threads`` threads through a pinned staging ring), it is broadcast, and every rank writes out
+of it only its own shards, cast in the kernel where the model's dtype differs (csrc/load_plan.cpp,
+csrc/executor_cuda.cu, csrc/scatter_cuda.cu).
 
 Memory: every rank holds ``ring_depth`` device buckets of ``bucket_bytes``; the source, when it
-stages host tensors, also ``ring_depth`` pinned host buckets. Nothing the size of a tensor is
+stages pageable host tensors, also ``ring_depth`` pinned host buckets. Nothing the size of a tensor is
 allocated anywhere: a tensor larger than a bucket is split across buckets.
 """
 from __future__ import annotations
