@@ -323,7 +323,8 @@ class Bench:
                 k = kinds.setdefault((e["cat"], e["name"][:60]), [0, 0.0])
                 k[0] += 1
                 k[1] += e["dur"]
-            lines.append(f"stream {stream}: {len(es)} ops, busy {busy / 1e3:.2f} ms of {(es[-1]['ts'] + es[-1]['dur'] - es[0]['ts']) / 1e3:.2f} ms; "
+            span = es[-1]["ts"] + es[-1]["dur"] - es[0]["ts"]
+            lines.append(f"stream {stream}: {len(es)} ops, busy {busy / 1e3:.2f} ms of {span / 1e3:.2f} ms; "
                          f"gaps > 20 us: {len(big)}, {sum(big) / 1e3:.2f} ms (largest {big[-5:] if big else []})")
             for (cat, name), (n, dur) in sorted(kinds.items(), key=lambda kv: -kv[1][1])[:6]:
                 lines.append(f"    {cat:11s} {n:6d} x  {dur / 1e3:8.2f} ms  {name}")

@@ -192,16 +192,16 @@ class CudaExecutor final : public Executor {
   }
 
   // Bucket k's host-memory runs into the device slot, on the copy lane. Large pinned runs: the copy
-  // engine, straight from the tensor. The others, when all of them are pinned: the copy kernel,
-  // reading host memory over the bus in one launch (no host copy, and the host never waits for an
-  // earlier copy to free a staging slot: waits that let the copy engine's queue run dry). Else
-  // through the pinned host ring, packed by the stager's threads and copied up.
+  // engine, straight from the tensor. The others, when all of them are pinned and few are strided:
+  // the copy kernel, reading host memory over the bus in one launch (no host copy, and the host never
+  // waits for an earlier copy to free a staging slot: waits that let the copy engine's queue run dry).
+  // Else through the pinned host ring, packed by the stager's threads and copied up.
   void stage(int64_t bucket, const at::Tensor& slot) {
     const auto& b = plan_.buckets.at(bucket);
     const int64_t s = bucket % plan_.ring_slots;
     uint8_t* dev = slot.data_ptr<uint8_t>();
     bool others_pinned = true;
-    int64_t others = 0;
+    int64_t others = 0, strided_bytes = 0;
     for (int64_t i = b.first_host; i < b.first_host + b.num_host; ++i) {
       const auto& op = plan_.host_ops[i];
       if (direct(op)) {
@@ -210,10 +210,13 @@ class CudaExecutor final : public Executor {
       } else {
         ++others;
         others_pinned = others_pinned && pinned(op.tensor_ptr);
+        if (op.layout >= 0) strided_bytes += op.nbytes;
       }
     }
     if (others == 0) return;
-    if (others_pinned && kernel_reads_host()) {
+    // Strided runs are read element by element, a bus transaction each: a few are cheaper read so than
+    // staged, a bucket's worth is not (the threads gather them from host memory instead).
+    if (others_pinned && strided_bytes < kDirectMin && kernel_reads_host()) {
       read_host_ = true;
       launch_copy_bucket(dev, b.nbytes, host_ops_ + b.first_host, b.num_host, layouts_, /*pack=*/true,
                          copy_.stream(), /*skip_min=*/kDirectMin);  // skips exactly the direct runs: all are pinned

@@ -302,7 +302,8 @@ py::tuple load_dests(
         auto lo = box[1].cast<std::vector<int64_t>>();
         auto box_shape = box[2].cast<std::vector<int64_t>>();
         TORCH_CHECK_VALUE(lo.size() == static_cast<size_t>(nd) && box_shape.size() == static_cast<size_t>(nd),
-                          "nd_box gave a box of ", lo.size(), " and ", box_shape.size(), " dims for value ", i, " of ", nd);
+                          "nd_box gave a box of ", lo.size(), " and ", box_shape.size(), " dims for value ", i,
+                          " of ", nd);
         std::copy(lo.begin(), lo.end(), m.begin() + 1);
         std::copy(box_shape.begin(), box_shape.end(), shape_buf.begin());
       }
