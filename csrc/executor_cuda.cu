@@ -201,19 +201,20 @@ class CudaExecutor final : public Executor {
     const int64_t s = bucket % plan_.ring_slots;
     uint8_t* dev = slot.data_ptr<uint8_t>();
     bool others_pinned = true;
-    int64_t others = 0, strided_bytes = 0;
+    int64_t strided_bytes = 0;
+    staged_.clear();  // the runs that are not direct
     for (int64_t i = b.first_host; i < b.first_host + b.num_host; ++i) {
       const auto& op = plan_.host_ops[i];
       if (direct(op)) {
         C10_CUDA_CHECK(cudaMemcpyAsync(dev + op.bucket_offset, reinterpret_cast<const uint8_t*>(op.tensor_ptr) +
                                        op.tensor_offset, op.nbytes, cudaMemcpyHostToDevice, copy_.stream()));
       } else {
-        ++others;
+        staged_.push_back(op);
         others_pinned = others_pinned && pinned(op.tensor_ptr);
         if (op.layout >= 0) strided_bytes += op.nbytes;
       }
     }
-    if (others == 0) return;
+    if (staged_.empty()) return;
     // Strided runs are read element by element, a bus transaction each: a few are cheaper read so than
     // staged, a bucket's worth is not (the threads gather them from host memory instead).
     if (others_pinned && strided_bytes < kDirectMin && kernel_reads_host()) {
@@ -230,10 +231,6 @@ class CudaExecutor final : public Executor {
       stager_ = std::make_unique<HostStager>(plan_.options.copy_threads);
     }
     uint8_t* host = host_ring_.data_ptr<uint8_t>() + s * plan_.slot_bytes;
-    staged_.clear();
-    for (int64_t i = b.first_host; i < b.first_host + b.num_host; ++i) {
-      if (!direct(plan_.host_ops[i])) staged_.push_back(plan_.host_ops[i]);
-    }
     if (host_used_[s]) host_free_[s].synchronize();  // the copy that last read this pinned slot is done
     stager_->stage(staged_.data(), static_cast<int64_t>(staged_.size()), plan_.layouts, host);
     // Up in spans of runs that are back to back but for alignment padding (under kAlign bytes):

@@ -109,10 +109,9 @@ std::vector<ValueFacts> gather(const py::list& values, const py::set* owned_ids,
                                bool whole_chain) {
   const auto n = static_cast<int64_t>(values.size());
   std::vector<ValueFacts> facts(n);
-  PyObject* const* items = &PyList_GET_ITEM(values.ptr(), 0);
   for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) prefetch_object(items[i + kAhead]);
-    PyObject* v = items[i];
+    if (i + kAhead < n) prefetch_object(PyList_GET_ITEM(values.ptr(), i + kAhead));
+    PyObject* v = PyList_GET_ITEM(values.ptr(), i);
     auto& f = facts[i];
     f.tensor = THPVariable_Check(v);
     if (!f.tensor) continue;
@@ -315,12 +314,12 @@ py::tuple load_dests(
         continue;
       }
     }
-    auto [at, fresh] = dest_of.find_or_add(v, locals.size());
+    auto [dest, fresh] = dest_of.find_or_add(v, locals.size());
     if (fresh) {
       locals.push_back(local);
       meta.push_back(m);
     } else {
-      meta[at] = m;  // the last key's unit, in the first key's place
+      meta[dest] = m;  // the last key's unit, in the first key's place
     }
   }
 
