@@ -237,15 +237,16 @@ def _describe_source(sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Mod
     plain = (torch.Tensor, nn.Parameter)
     values = list(sd.values())
     if not extra and set(map(type, values)) <= set(plain):  # the usual case: every value a plain tensor
-        rows, tensors, values = list(range(len(values))), values, []
-    for i, (k, v) in enumerate(sd.items() if values else ()):
-        if k in extra:  # a module's extra state: any picklable object, sent with the metadata
-            meta["extras"][i] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
-        elif type(v) in plain:
-            rows.append(i)
-            tensors.append(v)
-        else:
-            meta["bad"][i] = _source_problem(v)
+        rows, tensors = list(range(len(values))), values
+    else:
+        for i, (k, v) in enumerate(sd.items()):
+            if k in extra:  # a module's extra state: any picklable object, sent with the metadata
+                meta["extras"][i] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
+            elif type(v) in plain:
+                rows.append(i)
+                tensors.append(v)
+            else:
+                meta["bad"][i] = _source_problem(v)
     table, canon, problems = _C.describe_tensors(tensors, device)
     for j, why in problems:
         meta["bad"][rows[j]] = why
@@ -335,14 +336,16 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
     owned = _owned_tensors(model)
     # Key matching here; per value, its checks, unit and box in C++ (csrc/load_dests.h).
     load_keys, values, value_rows, value_keys = [], [], [], []
+    matched = False
     if not extra and not bad:  # the usual case, in comprehensions: the loop below costs ~3x more per key
         load_keys = [k for k in model_sd if k in index]
         value_rows = [row_of.get(index[k]) for k in load_keys]
-        if None in value_rows:  # a source value that is extra state: the loop below words it
-            load_keys, value_rows = [], []
-        else:
+        matched = None not in value_rows  # else a source value is extra state: the loop below words it
+        if matched:
             values, value_keys = [model_sd[k] for k in load_keys], load_keys
-    for k, v in (model_sd.items() if not value_rows else ()):
+        else:
+            load_keys, value_rows = [], []
+    for k, v in (() if matched else model_sd.items()):
         i = index.get(k)
         if i is None:
             continue
