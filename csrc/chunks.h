@@ -56,16 +56,19 @@ void for_chunks(int64_t n, const Fn& fn, int64_t grain = kChunkGrain) {
 // dozen misses in flight hide them.
 constexpr int64_t kPrefetchAhead = 8;
 
-// The TensorImpl of tensors[i + 2 * ahead] (the fields a pass reads span its
-// first three cache lines), and the StorageImpl of tensors[i + ahead], whose
-// TensorImpl an earlier call brought in.
+// A TensorImpl's first three cache lines: the fields a pass reads (sizes,
+// strides, dtype, device, storage) lie there.
+inline void prefetch_impl(const c10::TensorImpl* impl) {
+  const auto* p = reinterpret_cast<const char*>(impl);
+  __builtin_prefetch(p);
+  __builtin_prefetch(p + 64);
+  __builtin_prefetch(p + 128);
+}
+
+// The TensorImpl of tensors[i + 2 * ahead], and the StorageImpl of
+// tensors[i + ahead], whose TensorImpl an earlier call brought in.
 inline void prefetch_ahead(const at::Tensor* tensors, int64_t i, int64_t end) {
-  if (i + 2 * kPrefetchAhead < end) {
-    const auto* p = reinterpret_cast<const char*>(tensors[i + 2 * kPrefetchAhead].unsafeGetTensorImpl());
-    __builtin_prefetch(p);
-    __builtin_prefetch(p + 64);
-    __builtin_prefetch(p + 128);
-  }
+  if (i + 2 * kPrefetchAhead < end) prefetch_impl(tensors[i + 2 * kPrefetchAhead].unsafeGetTensorImpl());
   if (i + kPrefetchAhead < end) {
     const auto& t = tensors[i + kPrefetchAhead];
     if (t.defined() && t.has_storage()) __builtin_prefetch(t.unsafeGetTensorImpl()->storage().unsafeGetStorageImpl());

@@ -11,6 +11,7 @@
 #include <unordered_map>
 
 #include "cast.h"
+#include "chunks.h"
 #include "copy_table.h"
 
 namespace coalesced_bcast {
@@ -157,11 +158,7 @@ inline void prefetch_impls(const py::list& values, const std::vector<ValueFacts>
   const auto n = static_cast<int64_t>(facts.size());
   if (i + kAhead >= n || !facts[i + kAhead].tensor) return;
   auto impl = [](PyObject* o) {
-    if (o == nullptr || !THPVariable_Check(o)) return;
-    const auto* p = reinterpret_cast<const char*>(THPVariable_Unpack(o).unsafeGetTensorImpl());
-    __builtin_prefetch(p);
-    __builtin_prefetch(p + 64);
-    __builtin_prefetch(p + 128);
+    if (o != nullptr && THPVariable_Check(o)) prefetch_impl(THPVariable_Unpack(o).unsafeGetTensorImpl());
   };
   impl(PyList_GET_ITEM(values.ptr(), i + kAhead));
   if (facts[i + kAhead].dtensor) impl(facts[i + kAhead].local.ptr());
