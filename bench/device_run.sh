@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one call on the device machine (nvidia-h200-x2):
-#   bash bench/device_run.sh [STEP...]     steps: env build gputest refittest refit bench trace init agree fsdp2 loadcheck loadphases soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta torchsuite_ddp accelerate planhost (default: all but the torchsuite ones)
+#   bash bench/device_run.sh [STEP...]     steps: env build gputest refittest refit bench trace init agree fsdp2 loadcheck loadphases soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta torchsuite_ddp accelerate planhost copykernels (default: all but the torchsuite ones)
 # Builds the extension in place with the machine's own torch, then runs each step. Logs and results
 # go to $LOGS (default /tmp/device_run) and, after every step, into one archive $OUT/device_run.tgz
 # (the device tool returns at most 8 files, and a run cut short by its time limit still returns
@@ -47,7 +47,7 @@ for s in $steps; do
   case $s in
     env) step env 60 bash -c "nvidia-smi; nvidia-smi topo -m; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.nccl.version(), torch.cuda.device_count())'" ;;
     build) step build 500 bash -c build ;;
-    gputest) step gputest 400 $PY -m pytest -q -s tests/test_gpu_nccl.py tests/test_gpu_single.py ;;
+    gputest) step gputest 400 $PY -m pytest -q -s tests/test_gpu_nccl.py tests/test_gpu_single.py tests/test_copy_buckets.py ;;
     refittest) step refittest 300 $PY -m pytest -q -s tests/test_gpu_refit.py ;;
     refit) step refit 560 $PY -m torch.distributed.run --standalone --nproc-per-node 3 bench/refit_bench.py --out "$LOGS/refit.jsonl" ;;
     bench) step bench 500 $RUN bench/bench.py --out "$LOGS/bench" ${BENCH_CASES:+--cases $BENCH_CASES} ;;
@@ -68,6 +68,15 @@ for s in $steps; do
         [ -n "${AB_BASE:-}" ] || exit 0
         (cd "$AB_BASE" && $PY setup.py build_ext --inplace > "$LOGS/planhost_base_build.log" 2>&1) || exit 1
         PYTHONPATH="$PWD/$AB_BASE/python" $PY bench/plan_host.py --label "base $AB_BASE" --out "$LOGS/plan_host.jsonl"' ;;
+    # copykernels: pack and unpack kernels on one GPU (bench/copy_kernels.py); with AB_BASE, the same for that
+    # tree's build, run between two runs of this one.
+    copykernels) step copykernels 400 bash -c '
+        $PY bench/copy_kernels.py --label current --out "$LOGS/copy_kernels.jsonl" || exit 1
+        [ -n "${AB_BASE:-}" ] || exit 0
+        (cd "$AB_BASE" && $PY setup.py build_ext --inplace > "$LOGS/copykernels_base_build.log" 2>&1) || exit 1
+        PYTHONPATH="$PWD/$AB_BASE/python:$PWD/tests" $PY bench/copy_kernels.py --label "base $AB_BASE" \
+            --out "$LOGS/copy_kernels.jsonl" || exit 1
+        $PY bench/copy_kernels.py --label "current, again" --out "$LOGS/copy_kernels.jsonl"' ;;
     sanitize) step sanitize 400 env OUT="$LOGS" bash bench/sanitize.sh ;;
     # PyTorch's own FSDP1 tests without and with install() (scripts/torch_suite). The device has no network
     # and torch's wheel ships no test/ tree: the caller puts one (and expecttest) in torch_tests/ (git-ignored;

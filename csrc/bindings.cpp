@@ -167,6 +167,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         exec->end();
       },
       py::arg("plan"), py::arg("bucket"), py::arg("permute"), py::arg("src"), py::arg("dst"));
+  m.def(
+      "_copy_buckets",
+      [](const Plan& plan, bool pack, const at::Tensor& slot, const std::vector<int64_t>& buckets) {
+        // Test and bench hook: the plan's pack (tensors -> slot) or unpack (slot -> tensors) of each listed
+        // bucket in turn, through the executor the broadcast uses (one upload of the table, the copy lane),
+        // without any communication. Two plans over tensors of the same layout move a state from one set to
+        // the other through it: the copy kernels both ways, on one device.
+        TORCH_CHECK_VALUE(slot.device() == plan.device && slot.is_contiguous() && slot.nbytes() >= plan.slot_bytes,
+                          "_copy_buckets: a contiguous slot of at least ", plan.slot_bytes, " bytes on ",
+                          plan.device, ", got ", slot.nbytes(), " bytes on ", slot.device());
+        for (const int64_t b : buckets) {
+          TORCH_CHECK_VALUE(b >= 0 && b < static_cast<int64_t>(plan.buckets.size()), "_copy_buckets: a bucket of ",
+                            plan.buckets.size(), ", got ", b);
+        }
+        py::gil_scoped_release release;
+        c10::DeviceGuard guard(plan.device);
+        auto exec = make_executor(plan);
+        exec->begin();
+        exec->set_table(at::empty({exec->table_bytes()}, at::TensorOptions().dtype(at::kByte).device(plan.device)));
+        for (const int64_t b : buckets) {
+          if (pack) {
+            exec->pack(b, slot);
+          } else {
+            exec->unpack(b, slot);
+          }
+        }
+        exec->end();
+      },
+      py::arg("plan"), py::arg("pack"), py::arg("slot"), py::arg("buckets"));
   m.def("_refit_chunk_bytes", [](const Plan& plan) {
     std::vector<int64_t> out;
     for (const auto& r : plan.refit) out.push_back(r.chunk_bytes);
