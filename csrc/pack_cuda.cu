@@ -1,8 +1,9 @@
 // pack/unpack on the GPU: one launch per bucket, driven by the copy table.
 // Each block owns a fixed 32 KiB window of the bucket and finds the first run
-// that reaches into it by binary search; each thread then moves 16-byte units,
-// walking the (sorted) runs forward. Small tensors therefore cost no launches
-// of their own, and large runs are copied with full 16-byte words.
+// that reaches into it (one warp's search); each thread then moves its 16-byte
+// units, walking the (sorted) runs forward, eight reads in flight. Small
+// tensors therefore cost no launches of their own, and large runs are copied
+// with full 16-byte words.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
@@ -72,33 +73,64 @@ __global__ void __launch_bounds__(kThreads) copy_bucket_kernel(
     const int64_t begin = w * kChunk;
     const int64_t end = min(begin + kChunk, nbytes);
     __syncthreads();  // every thread is done with the last window's `first`
-    if (threadIdx.x == 0) {
-      int64_t lo = 0, hi = num_ops;
-      while (lo < hi) {
-        const int64_t mid = (lo + hi) / 2;
-        if (ops[mid].bucket_offset + ops[mid].nbytes <= begin) {
-          lo = mid + 1;
-        } else {
-          hi = mid;
-        }
-      }
-      first = lo;
+    if (threadIdx.x < 32) {
+      const int64_t f = warp_partition_point(
+          num_ops, [&](int64_t k) { return ops[k].bucket_offset + ops[k].nbytes <= begin; });
+      if (threadIdx.x == 0) first = f;
     }
     __syncthreads();
     int64_t i = first;
     if (i >= num_ops) continue;
     CopyOp op = ops[i];
-    for (int64_t pos = begin + threadIdx.x * kAlign; pos < end; pos += kThreads * kAlign) {
+    // A thread's units are found first (walking the sorted runs forward), then the
+    // aligned whole words among them are all loaded before any is stored, so each
+    // thread has kUnitsPerThread reads in flight; the other units (strided, narrow,
+    // a run's short tail) are copied after, one at a time, in a loop of their own
+    // that keeps the element-wise code out of the unrolled one.
+    uint8_t* words[kUnitsPerThread];  // the tensor's side of each aligned word; nullptr: none
+    unsigned others = 0;
+#pragma unroll
+    for (int k = 0; k < kUnitsPerThread; ++k) {
+      words[k] = nullptr;
+      const int64_t pos = begin + (threadIdx.x + k * kThreads) * kAlign;
+      if (pos >= end || i >= num_ops) continue;
       while (op.bucket_offset + op.nbytes <= pos) {
         if (++i >= num_ops) break;
         op = ops[i];
       }
-      if (i >= num_ops) break;
+      if (i >= num_ops) continue;
       if (pos < op.bucket_offset) continue;  // alignment padding between runs
       if (op.layout < 0 && op.nbytes >= skip_min) continue;  // copied another way (launch_copy_bucket)
       const int64_t in_op = pos - op.bucket_offset;
       const int n = static_cast<int>(min(kAlign, op.nbytes - in_op));
-      copy_unit<kPack>(bucket + pos, op, in_op, n, layouts);
+      uint8_t* t = reinterpret_cast<uint8_t*>(op.tensor_ptr) + op.tensor_offset + in_op;
+      if (op.layout < 0 && n == kAlign && (reinterpret_cast<uintptr_t>(t) & 15) == 0) {
+        words[k] = t;
+      } else {
+        others |= 1u << k;
+      }
+    }
+    uint4 v[kUnitsPerThread];
+#pragma unroll
+    for (int k = 0; k < kUnitsPerThread; ++k) {
+      const uint8_t* from = kPack ? words[k] : bucket + begin + (threadIdx.x + k * kThreads) * kAlign;
+      v[k] = words[k] != nullptr ? *reinterpret_cast<const uint4*>(from) : uint4{};
+    }
+#pragma unroll
+    for (int k = 0; k < kUnitsPerThread; ++k) {
+      uint8_t* to = kPack ? bucket + begin + (threadIdx.x + k * kThreads) * kAlign : words[k];
+      if (words[k] != nullptr) *reinterpret_cast<uint4*>(to) = v[k];
+    }
+    if (others == 0) continue;
+    i = first;
+    op = ops[i];
+#pragma unroll 1
+    for (int k = 0; k < kUnitsPerThread; ++k) {
+      if ((others >> k & 1u) == 0) continue;
+      const int64_t pos = begin + (threadIdx.x + k * kThreads) * kAlign;
+      while (op.bucket_offset + op.nbytes <= pos) op = ops[++i];
+      const int64_t in_op = pos - op.bucket_offset;
+      copy_unit<kPack>(bucket + pos, op, in_op, static_cast<int>(min(kAlign, op.nbytes - in_op)), layouts);
     }
   }
 }

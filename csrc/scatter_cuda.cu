@@ -31,17 +31,9 @@ __global__ void __launch_bounds__(kThreads) scatter_kernel(
   // One chunk per block, unless the grid was capped (copy_blocks_cap): then blocks stride over them.
   for (int64_t block = blockIdx.x; block < chunks; block += gridDim.x) {
     __syncthreads();  // every thread is done with the last chunk's `index`
-    if (threadIdx.x == 0) {
-      int64_t lo = 0, hi = num_ops;  // the last run whose chunks start at or before this block
-      while (hi - lo > 1) {
-        const int64_t mid = (lo + hi) / 2;
-        if (ops[mid].first_chunk <= block) {
-          lo = mid;
-        } else {
-          hi = mid;
-        }
-      }
-      index = lo;
+    if (threadIdx.x < 32) {  // the last run whose chunks start at or before this block
+      const int64_t after = warp_partition_point(num_ops, [&](int64_t k) { return ops[k].first_chunk <= block; });
+      if (threadIdx.x == 0) index = after - 1;
     }
     __syncthreads();
     const ScatterOp op = ops[index];
@@ -51,10 +43,7 @@ __global__ void __launch_bounds__(kThreads) scatter_kernel(
     const auto* src = reinterpret_cast<const uint8_t*>(src_base + op.bucket_offset);
     auto* dst = reinterpret_cast<uint8_t*>(dst_base + op.dst_ptr);
     if (op.box < 0 && op.src_type == op.dst_type) {
-      uint8_t* out = dst + op.first * ds;
-      for (int64_t pos = b0 + threadIdx.x * kAlign; pos < b1; pos += kThreads * kAlign) {
-        copy_small(out + pos, src + pos, static_cast<int>(min(kAlign, b1 - pos)));
-      }
+      copy_window<kThreads, kScatterChunk / (kThreads * kAlign)>(dst + op.first * ds, src, b0, b1);
       continue;
     }
     for (int64_t e = b0 / ss + threadIdx.x; e < b1 / ss; e += kThreads) {
