@@ -58,6 +58,7 @@ def methods(case, ts, device) -> dict:
          "pieces64M": pieces(nbytes, 64 * MiB, device)}
     m["pieces128M"] = pieces(nbytes, 128 * MiB, device)
     m["pieces256M"] = pieces(nbytes, 256 * MiB, device)
+    m["oneshot"] = lambda: coalesced_bcast.broadcast_tensors(ts, 0)
     for mb in (32, 64, 128, 256):
         for depth in (2, 3):
             m[f"kept[{mb}Mx{depth}]"] = kept(ts, bucket_bytes=mb * MiB, ring_depth=depth)
