@@ -285,11 +285,27 @@ class Bench:
                         break
                 if args.trace and name == "coalesced_bcast" and not self.cpu:
                     self.trace(fn, f"{kind}_{source}")
+                if args.phases and name == "coalesced_bcast":
+                    self.phases(fn, kind, source)
             del sd
         del model
         self.sync()
         if not self.cpu:
             torch.cuda.empty_cache()
+
+    def phases(self, fn, kind: str, source: str) -> None:
+        """One more load with state_dict.py's phases timed (host wall time each, ms; `_transfer` includes the
+        wait for the copies of host memory)."""
+        from profile_load import phase_timers
+        self.sync()
+        with phase_timers() as spent:
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            wall = time.perf_counter() - t0
+        self.emit(kind="phases", state=kind, source=source, method="coalesced_bcast", sec=wall,
+                  phases_ms={k: round(v * 1e3, 2) for k, v in spent.items()},
+                  other_ms=round((wall - sum(spent.values())) * 1e3, 2))
 
     def trace(self, fn, what: str) -> None:
         """One more load under torch.profiler; rank 0 writes where the GPU time went, per stream, and the
@@ -422,6 +438,8 @@ def main() -> None:
     p.add_argument("--extra-env", default="", help="extra coalesced_bcast rows, each with NAME=VALUE set in the environment "
                    "during its loads (comma-separated)")
     p.add_argument("--no-dcp", action="store_true", help="leave out DCP's rows")
+    p.add_argument("--phases", action="store_true", help="one more load per state and source with the host time of "
+                   "each of load_full_state_dict's phases (a `phases` row)")
     p.add_argument("--trace", default=None, help="a directory: one more load of each state and source under "
                    "torch.profiler, summarized there (GPU)")
     p.add_argument("--layers", type=int, default=32)

@@ -5,6 +5,7 @@ the wall time of each phase of the load (state_dict.py's functions), the last of
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_load.py [--count N] [--phases] [--out FILE]
 """
 import argparse
+import contextlib
 import cProfile
 import io
 import os
@@ -67,10 +68,13 @@ PHASES = ["_model_device", "_describe_source", "_broadcast_meta", "_plan_local",
           "_run_post_hooks"]
 
 
-def phases(model, sd, args):
-    """Each phase's wall time (state_dict.py's functions wrapped with a timer), the last of 4 loads."""
+@contextlib.contextmanager
+def phase_timers():
+    """Inside: state_dict.py's phases wrapped with timers; yields {phase: seconds}, summed over the loads
+    made inside (bench/fsdp2_load.py --phases uses it too)."""
     from coalesced_bcast import state_dict as S
     spent = dict.fromkeys(PHASES, 0.0)
+    originals = {name: getattr(S, name) for name in PHASES}
 
     def timed(name, fn):
         def run(*a, **kw):
@@ -81,18 +85,26 @@ def phases(model, sd, args):
                 spent[name] += time.perf_counter() - t0
         return run
 
-    for name in PHASES:
-        setattr(S, name, timed(name, getattr(S, name)))
+    for name, fn in originals.items():
+        setattr(S, name, timed(name, fn))
+    try:
+        yield spent
+    finally:
+        for name, fn in originals.items():
+            setattr(S, name, fn)
+
+
+def phases(model, sd, args):
+    """Each phase's wall time, the last of 4 loads."""
     for _ in range(4):
-        for name in PHASES:
-            spent[name] = 0.0
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        coalesced_bcast.load_full_state_dict(model, sd)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        with phase_timers() as spent:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            coalesced_bcast.load_full_state_dict(model, sd)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
     if dist.get_rank() == 0:
         n = args.count
         lines = [f"load of {n} keys over {dist.get_world_size()} ranks ({torch.__version__}): {wall * 1e3:.1f} ms, "
