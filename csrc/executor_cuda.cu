@@ -84,7 +84,7 @@ class CudaExecutor final : public Executor {
       send_done.record(send_);
       send_done.block(caller_);
     }
-    if (host_ring_.defined() || read_host_) copy_done.synchronize();  // the copies read the caller's CPU tensors
+    if (host_ring_.defined() || read_host_) copy_done.synchronize();  // the copies read host memory
   }
 
   std::optional<c10::Stream> stream(Lane lane) override {
@@ -206,6 +206,7 @@ class CudaExecutor final : public Executor {
     for (int64_t i = b.first_host; i < b.first_host + b.num_host; ++i) {
       const auto& op = plan_.host_ops[i];
       if (direct(op)) {
+        read_host_ = true;
         C10_CUDA_CHECK(cudaMemcpyAsync(dev + op.bucket_offset, reinterpret_cast<const uint8_t*>(op.tensor_ptr) +
                                        op.tensor_offset, op.nbytes, cudaMemcpyHostToDevice, copy_.stream()));
       } else {
@@ -275,7 +276,10 @@ class CudaExecutor final : public Executor {
   const Box* boxes_ = nullptr;
   const ScatterOp* permute_ = nullptr;
   const CopyOp* host_ops_ = nullptr;
-  bool read_host_ = false;  // a kernel read the caller's host tensors: end() waits for it
+  // The copy engine or a kernel read the caller's host tensors: end() waits for those reads, as the caller
+  // may free or reuse the tensors once the call returns (torch's pinned allocator hands a freed block out
+  // again at once when no stream was recorded on it, and none is for copies queued here).
+  bool read_host_ = false;
   // The host stage (a load's source with tensors in host memory).
   at::Tensor host_ring_;
   std::vector<at::cuda::CUDAEvent> host_free_;
