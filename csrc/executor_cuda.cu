@@ -84,7 +84,7 @@ class CudaExecutor final : public Executor {
       send_done.record(send_);
       send_done.block(caller_);
     }
-    if (host_ring_.defined() || read_host_) copy_done.synchronize();  // the copies read host memory
+    if (read_host_) copy_done.synchronize();  // the copies read host memory
   }
 
   std::optional<c10::Stream> stream(Lane lane) override {
@@ -200,13 +200,13 @@ class CudaExecutor final : public Executor {
     const auto& b = plan_.buckets.at(bucket);
     const int64_t s = bucket % plan_.ring_slots;
     uint8_t* dev = slot.data_ptr<uint8_t>();
+    read_host_ = true;  // each way below reads the caller's host memory
     bool others_pinned = true;
     int64_t strided_bytes = 0;
     staged_.clear();  // the runs that are not direct
     for (int64_t i = b.first_host; i < b.first_host + b.num_host; ++i) {
       const auto& op = plan_.host_ops[i];
       if (direct(op)) {
-        read_host_ = true;
         C10_CUDA_CHECK(cudaMemcpyAsync(dev + op.bucket_offset, reinterpret_cast<const uint8_t*>(op.tensor_ptr) +
                                        op.tensor_offset, op.nbytes, cudaMemcpyHostToDevice, copy_.stream()));
       } else {
@@ -219,7 +219,6 @@ class CudaExecutor final : public Executor {
     // Strided runs are read element by element, a bus transaction each: a few are cheaper read so than
     // staged, a bucket's worth is not (the threads gather them from host memory instead).
     if (others_pinned && strided_bytes < kDirectMin && kernel_reads_host()) {
-      read_host_ = true;
       launch_copy_bucket(dev, b.nbytes, host_ops_ + b.first_host, b.num_host, layouts_, /*pack=*/true,
                          copy_.stream(), /*skip_min=*/kDirectMin);  // skips exactly the direct runs: all are pinned
       return;
@@ -276,9 +275,10 @@ class CudaExecutor final : public Executor {
   const Box* boxes_ = nullptr;
   const ScatterOp* permute_ = nullptr;
   const CopyOp* host_ops_ = nullptr;
-  // The copy engine or a kernel read the caller's host tensors: end() waits for those reads, as the caller
-  // may free or reuse the tensors once the call returns (torch's pinned allocator hands a freed block out
-  // again at once when no stream was recorded on it, and none is for copies queued here).
+  // A copy read the caller's host tensors (the copy engine, a kernel or the staging ring): end() waits for
+  // those reads, as the caller may free or reuse the tensors once the call returns (torch's pinned
+  // allocator hands a freed block out again at once when no stream was recorded on it, and none is for
+  // copies queued here), and the staging ring lives no longer than the executor.
   bool read_host_ = false;
   // The host stage (a load's source with tensors in host memory).
   at::Tensor host_ring_;
