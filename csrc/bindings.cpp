@@ -160,7 +160,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         c10::DeviceGuard guard(plan.device);
         auto exec = make_executor(plan);
         exec->begin();
-        exec->set_table(at::empty({exec->table_bytes()}, at::TensorOptions().dtype(at::kByte).device(plan.device)));
+        // Held until end() has ordered the caller's stream after the kernels that read it.
+        const auto table = at::empty({exec->table_bytes()}, at::TensorOptions().dtype(at::kByte).device(plan.device));
+        exec->set_table(table);
         exec->copy_runs(permute ? Runs::kPermute : Runs::kScatter, bucket,
                         permute ? reinterpret_cast<uintptr_t>(src.data_ptr()) : 0,
                         reinterpret_cast<uintptr_t>(dst.data_ptr()), Lane::kCopy);
@@ -185,7 +187,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         c10::DeviceGuard guard(plan.device);
         auto exec = make_executor(plan);
         exec->begin();
-        exec->set_table(at::empty({exec->table_bytes()}, at::TensorOptions().dtype(at::kByte).device(plan.device)));
+        // Held until end() has ordered the caller's stream after the kernels that read it.
+        const auto table = at::empty({exec->table_bytes()}, at::TensorOptions().dtype(at::kByte).device(plan.device));
+        exec->set_table(table);
         for (const int64_t b : buckets) {
           if (pack) {
             exec->pack(b, slot);
@@ -196,6 +200,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         exec->end();
       },
       py::arg("plan"), py::arg("pack"), py::arg("slot"), py::arg("buckets"));
+#ifdef WITH_CUDA
+  m.def(
+      "_lane_stream",
+      [](int64_t device, const std::string& lane) {
+        // Test hook: (stream_id, device_index, device_type) of a lane's stream, for torch.cuda.Stream(...),
+        // so that a test can hold a lane busy and check that the others wait where they must.
+        TORCH_CHECK_VALUE(lane == "comm" || lane == "copy" || lane == "send", "_lane_stream: a lane of comm, copy, "
+                          "send, got '", lane, "'");
+        const auto s = cuda_lane_stream(static_cast<c10::DeviceIndex>(device),
+                                        lane == "comm" ? Lane::kComm : lane == "copy" ? Lane::kCopy : Lane::kSend);
+        return std::make_tuple(s.id(), static_cast<int64_t>(s.device_index()), static_cast<int64_t>(s.device_type()));
+      },
+      py::arg("device"), py::arg("lane"));
+#endif
   m.def("_refit_chunk_bytes", [](const Plan& plan) {
     std::vector<int64_t> out;
     for (const auto& r : plan.refit) out.push_back(r.chunk_bytes);

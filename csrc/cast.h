@@ -1,13 +1,15 @@
 // What a load's unpack does to one element, shared by the host and the CUDA
 // kernel so both write the same bits: a copy, or a cast between floating
-// dtypes. A cast is static_cast between c10's types, which is what torch's
-// own copy_ does (c10::convert), NaN payloads and rounding included.
+// dtypes. A cast is c10::convert, what torch's own copy_ does: NaN payloads
+// and rounding included, and a float into uint8 through int64 (negative
+// values wrap, where a plain static_cast would saturate them on the GPU).
 #pragma once
 
 #include <c10/core/ScalarType.h>
 #include <c10/macros/Macros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <c10/util/TypeCast.h>
 
 #include <cstdint>
 #include <cstring>
@@ -52,7 +54,7 @@ template <typename Src>
 C10_HOST_DEVICE inline void store_as(const Src v, void* dst, int8_t dst_type) {
 #define CB_STORE(code, T)                            \
   case code:                                         \
-    *static_cast<T*>(dst) = static_cast<T>(v);        \
+    *static_cast<T*>(dst) = c10::convert<T>(v);       \
     break;
   switch (static_cast<c10::ScalarType>(dst_type)) { CB_CASTABLE_TYPES(CB_STORE) default : break; }
 #undef CB_STORE

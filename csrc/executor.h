@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/Stream.h>
 
+#include <chrono>
 #include <memory>
 #include <optional>
 
@@ -28,8 +29,13 @@ class Executor {
   // Side lanes wait for everything already queued on the caller's stream.
   virtual void begin() {}
   // The caller's stream waits for both lanes: tensors are usable in stream
-  // order as soon as the call returns.
-  virtual void end() {}
+  // order as soon as the call returns. Where the copies read host memory, the
+  // host waits for them too, within the deadline if one was set: past it the
+  // host memory they may still read is kept for the process's life, and end()
+  // raises, or when `unwinding` (an error is on its way out) returns quietly.
+  virtual void end(bool /*unwinding*/ = false) {}
+  // The call's deadline (with a timeout): the host never waits on the device beyond it.
+  virtual void set_deadline(std::chrono::steady_clock::time_point /*deadline*/, int /*rank*/) {}
   // The stream a lane's work is queued on, for a stream guard (none on CPU).
   virtual std::optional<c10::Stream> stream(Lane) {
     return std::nullopt;
@@ -68,6 +74,10 @@ std::unique_ptr<Executor> make_executor(const Plan& plan);
 // A CUDA build registers its executor at load time; a CPU build has none.
 using ExecutorFactory = std::unique_ptr<Executor> (*)(const Plan&);
 bool register_cuda_executor(ExecutorFactory factory);
+
+// The stream a lane of the CUDA executor runs on for `device` (the same for every call), for tests
+// that queue work there. Defined in a CUDA build only.
+c10::Stream cuda_lane_stream(c10::DeviceIndex device, Lane lane);
 
 // The host side of pack/unpack, over the plan's copy table (pack_cpu.cpp):
 // `ops[first, first + count)` between the tensors and a bucket's bytes.

@@ -15,11 +15,13 @@
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
@@ -73,7 +75,7 @@ class CudaExecutor final : public Executor {
     if (plan_.is_refit) start.block(send_);
   }
 
-  void end() override {
+  void end(bool unwinding) override {
     at::cuda::CUDAEvent comm_done, copy_done;
     comm_done.record(comm_);
     copy_done.record(copy_);
@@ -84,7 +86,16 @@ class CudaExecutor final : public Executor {
       send_done.record(send_);
       send_done.block(caller_);
     }
-    if (read_host_) copy_done.synchronize();  // the copies read host memory
+    if (!read_host_ || wait_host(copy_done)) return;  // the copies read host memory: done with it
+    keep_host_ring();
+    TORCH_CHECK(unwinding, "Timed out: the copies of the checkpoint's host memory on rank ", rank_,
+                " were not done by the call's deadline, as they wait for broadcasts that did not finish (a rank "
+                "stalled, died or called another collective); they may still read the source's CPU tensors");
+  }
+
+  void set_deadline(std::chrono::steady_clock::time_point deadline, int rank) override {
+    deadline_ = deadline;
+    rank_ = rank;
   }
 
   std::optional<c10::Stream> stream(Lane lane) override {
@@ -120,6 +131,12 @@ class CudaExecutor final : public Executor {
     std::memcpy(h + offsets_[5], plan_.host_ops.data(), plan_.host_ops.size() * sizeof(CopyOp));
     c10::cuda::CUDAStreamGuard guard(copy_);
     table.copy_(host, /*non_blocking=*/true);
+    // The other lanes read the table too (a load's source scatters on the comm lane), and with direct
+    // buckets nothing else orders them after the copy lane: they wait for the upload here.
+    at::cuda::CUDAEvent uploaded;
+    uploaded.record(copy_);
+    uploaded.block(comm_);
+    if (plan_.is_refit) uploaded.block(send_);
     auto* d = table.data_ptr<uint8_t>();
     ops_ = reinterpret_cast<const CopyOp*>(d + offsets_[0]);
     layouts_ = reinterpret_cast<const Layout*>(d + offsets_[1]);
@@ -231,7 +248,12 @@ class CudaExecutor final : public Executor {
       stager_ = std::make_unique<HostStager>(plan_.options.copy_threads);
     }
     uint8_t* host = host_ring_.data_ptr<uint8_t>() + s * plan_.slot_bytes;
-    if (host_used_[s]) host_free_[s].synchronize();  // the copy that last read this pinned slot is done
+    // The copy that last read this pinned slot must be done; it may wait on a broadcast, hence the deadline.
+    if (host_used_[s] && !wait_host(host_free_[s])) {
+      TORCH_CHECK(false, "Timed out: bucket ", bucket, " could not be staged on rank ", rank_, " by the call's "
+                  "deadline, as the copies before it wait for broadcasts that did not finish (a rank stalled, died "
+                  "or called another collective)");
+    }
     stager_->stage(staged_.data(), static_cast<int64_t>(staged_.size()), plan_.layouts, host);
     // Up in spans of runs that are back to back but for alignment padding (under kAlign bytes):
     // a wider gap holds a run copied another way (straight from pinned memory, or packed on the
@@ -251,6 +273,29 @@ class CudaExecutor final : public Executor {
     host_free_[s].record(copy_);
     host_used_[s] = true;
   }
+  // Waits on the host for `done`: until it is, or until the deadline if there is one (then false).
+  bool wait_host(const at::cuda::CUDAEvent& done) const {
+    if (!deadline_) {
+      done.synchronize();
+      return true;
+    }
+    while (!done.query()) {
+      if (std::chrono::steady_clock::now() >= *deadline_) return false;
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    return true;
+  }
+
+  // Past the deadline, copies still queued may read the staging ring whenever their broadcasts end: its
+  // pinned memory is kept for the process's life rather than handed back for reuse.
+  void keep_host_ring() {
+    if (!host_ring_.defined()) return;
+    static std::mutex mu;
+    static auto* kept = new std::vector<at::Tensor>();  // never freed, on purpose
+    std::lock_guard<std::mutex> lock(mu);
+    kept->push_back(std::move(host_ring_));
+  }
+
   at::cuda::CUDAStream& lane_stream(Lane lane) {
     return lane == Lane::kComm ? comm_ : lane == Lane::kCopy ? copy_ : send_;
   }
@@ -280,6 +325,8 @@ class CudaExecutor final : public Executor {
   // allocator hands a freed block out again at once when no stream was recorded on it, and none is for
   // copies queued here), and the staging ring lives no longer than the executor.
   bool read_host_ = false;
+  std::optional<std::chrono::steady_clock::time_point> deadline_;  // set with a timeout
+  int rank_ = 0;
   // The host stage (a load's source with tensors in host memory).
   at::Tensor host_ring_;
   std::vector<at::cuda::CUDAEvent> host_free_;
@@ -296,4 +343,8 @@ std::unique_ptr<Executor> make_cuda_executor(const Plan& plan) {
 [[maybe_unused]] const bool registered = register_cuda_executor(&make_cuda_executor);
 
 }  // namespace
+
+c10::Stream cuda_lane_stream(c10::DeviceIndex device, Lane lane) {
+  return lane_stream_of(device, lane, lane != Lane::kCopy && comm_high_priority()).unwrap();
+}
 }  // namespace coalesced_bcast

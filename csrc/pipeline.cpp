@@ -164,27 +164,28 @@ RunStats broadcast_plan(
   }
 
   auto exec = make_executor(plan);
+  if (timeout.count() > 0) exec->set_deadline(deadline, pg->getRank());
   exec->begin();
-  {
-    c10::OptionalStreamGuard comm(exec->stream(Lane::kComm));
-    send_inplace();
-  }
-
-  // One allocation for the ring and its copy table, made on the caller's
-  // stream: when it is freed at return, the caller's stream has already been
-  // ordered after every use of it (exec->end()).
-  // Direct buckets (direct.cpp) use no slot: when every bucket is one, there is no ring.
-  const bool all_direct = plan.direct_buckets == static_cast<int64_t>(plan.buckets.size());
-  const int64_t ring_bytes = all_direct ? 0 : plan.ring_slots * plan.slot_bytes;
-  auto arena = at::empty({ring_bytes + exec->table_bytes()}, at::TensorOptions().dtype(at::kByte).device(plan.device));
-  stats.ring_bytes = arena.numel();
-  exec->set_table(arena.narrow(0, ring_bytes, exec->table_bytes()));
+  // The ring and its copy table: one allocation, made on the caller's stream;
+  // when it is freed at return (or on an error), the caller's stream has
+  // already been ordered after every use of it (exec->end()).
+  at::Tensor arena;
   const bool report = is_src && progress.report;
   const auto every = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
       std::chrono::duration<double>(progress.every));
   auto next_report = t0 + every;
   int64_t queued = 0;
   try {
+    {
+      c10::OptionalStreamGuard comm(exec->stream(Lane::kComm));
+      send_inplace();
+    }
+    // Direct buckets (direct.cpp) use no slot: when every bucket is one, there is no ring.
+    const bool all_direct = plan.direct_buckets == static_cast<int64_t>(plan.buckets.size());
+    const int64_t ring_bytes = all_direct ? 0 : plan.ring_slots * plan.slot_bytes;
+    arena = at::empty({ring_bytes + exec->table_bytes()}, at::TensorOptions().dtype(at::kByte).device(plan.device));
+    stats.ring_bytes = arena.numel();
+    exec->set_table(arena.narrow(0, ring_bytes, exec->table_bytes()));
     for (int64_t k = 0; k < static_cast<int64_t>(plan.buckets.size()); ++k) {
       const int64_t s = k % plan.ring_slots;
       // A direct bucket is broadcast from or into the tensors' own memory: no slot, no pack or unpack.
@@ -228,7 +229,8 @@ RunStats broadcast_plan(
       }
     }
   } catch (...) {
-    exec->end();  // the ring goes back to the caller's stream: order it after what was queued
+    // The in-place broadcasts and the ring go back to the caller's stream: order it after what was queued.
+    exec->end(/*unwinding=*/true);
     throw;
   }
   stats.host_ring_bytes = exec->host_bytes();

@@ -147,7 +147,7 @@ RunStats refit_send(
       }
     }
   } catch (...) {
-    exec->end();  // the arena goes back to the caller's stream: order it after what was queued
+    exec->end(/*unwinding=*/true);  // the arena goes back to the caller's stream: order it after what was queued
     throw;
   }
   exec->end();

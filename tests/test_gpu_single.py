@@ -6,6 +6,7 @@ copied straight from pinned memory and staged by threads), strided sources, a tr
 Skipped without a GPU; bench/device_run.sh runs it (gputest).
 """
 import os
+import time
 
 import pytest
 import torch
@@ -103,3 +104,105 @@ def _overwrite_after_return_body(rank, world_size):
 
 def test_load_from_pinned_memory_is_done_with_it_on_return():
     run_ranks(1, _overwrite_after_return_body, backend="nccl", timeout=200)
+
+
+def _busy_copy_lane_body(rank, world_size):
+    dev = torch.device("cuda", 0)
+    g = torch.Generator(device=dev).manual_seed(11)
+    # 20,000 tensors of 256 bytes, back to back in one GPU buffer: every bucket goes straight from it (direct
+    # buckets: no pack on the copy lane), and the source's own scatter, on the comm lane, reads the device
+    # copy table (20,000 runs: a block of the allocator's large pool).
+    n, width = 20000, 64
+    flat = torch.randint(-2**31, 2**31 - 1, (n * width,), dtype=torch.int32, device=dev, generator=g)
+    sd = {f"t{i}": flat[i * width:(i + 1) * width] for i in range(n)}
+    model = nn.Module()
+    for k in sd:
+        model.register_parameter(k, nn.Parameter(torch.full((width,), -1, dtype=torch.int32, device=dev),
+                                                 requires_grad=False))
+    # A first load makes what is made once (NCCL's communicator, whose setup waits for the whole device) and
+    # gives the size of the call's device block (all direct: the copy table alone).
+    first = coalesced_bcast.load_full_state_dict(model, sd, bucket_bytes=1 << 20)
+    for p in model.parameters():
+        p.fill_(-1)
+    # That block, zeroed and freed: the next call gets it back, so a table read before its upload is zeros.
+    zeros = torch.zeros(first.ring_bytes, dtype=torch.uint8, device=dev)
+    del zeros
+    torch.cuda.synchronize()
+    # Hold the copy lane, where the table goes up, for about a second.
+    lane = _lane("copy")
+    with torch.cuda.stream(lane):
+        torch.cuda._sleep(2_000_000_000)
+    stats = coalesced_bcast.load_full_state_dict(model, sd, bucket_bytes=1 << 20)
+    assert not lane.query(), "the copy lane was not held through the load: the check below proves nothing"
+    torch.cuda.synchronize()
+    assert stats.buckets == 5 and stats.direct_buckets == 5, stats
+    for k, v in sd.items():
+        assert torch.equal(getattr(model, k), v), f"'{k}' differs"
+
+
+def test_load_source_scatter_waits_for_the_table_upload():
+    """A GPU source whose buckets all go straight from its tensors packs nothing on the copy lane, so its
+    own scatter (comm lane) must still wait for the copy table's upload (copy lane): held here by a
+    second-long kernel queued on the copy lane before the call."""
+    run_ranks(1, _busy_copy_lane_body, backend="nccl", timeout=200)
+
+
+def _lane(name):
+    sid, index, dtype = coalesced_bcast._C._lane_stream(0, name)
+    return torch.cuda.Stream(stream_id=sid, device_index=index, device_type=dtype)
+
+
+def _stalled_comm_lane_body(rank, world_size, pinned):
+    dev = torch.device("cuda", 0)
+    g = torch.Generator(device=dev).manual_seed(12)
+    full = {f"w{i}": torch.randint(-2**15, 2**15, (4 << 20,), dtype=torch.int16, device=dev, generator=g)
+            for i in range(8)}
+    model = nn.Module()
+    for k, v in full.items():
+        model.register_parameter(k, nn.Parameter(torch.zeros_like(v), requires_grad=False))
+    # pinned: every run goes up by the copy engine, so end() is the host's only wait on the copies; pageable
+    # with one slot: the staging ring's slot is waited for before each bucket, a wait on the last broadcast.
+    sd = {k: v.cpu().pin_memory() if pinned else v.cpu() for k, v in full.items()}
+    depth = 2 if pinned else 1
+    # A first load makes what is made once (NCCL's communicator, whose setup waits for the whole device).
+    coalesced_bcast.load_full_state_dict(model, sd, bucket_bytes=4 << 20, ring_depth=depth)
+    torch.cuda.synchronize()
+    # The comm lane stalls (as behind a peer that stopped), for far longer than the timeout: the copies into
+    # slots wait on its broadcasts.
+    with torch.cuda.stream(_lane("comm")):
+        torch.cuda._sleep(16_000_000_000)
+    t0 = time.monotonic()
+    with pytest.raises(coalesced_bcast.CollectiveError, match="Timed out"):
+        coalesced_bcast.load_full_state_dict(model, sd, bucket_bytes=4 << 20, ring_depth=depth, timeout=1.0)
+    took = time.monotonic() - t0
+    assert took < 4.0, f"raised after {took:.1f} s with a timeout of 1 s: the host waited on the stalled copies"
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+def test_load_from_host_memory_raises_on_time_when_the_broadcasts_stall(pinned):
+    """With a timeout, the source's host waits on its host-memory copies (end(), a staging slot) within the
+    call's deadline: behind a stalled comm lane the load raises at the timeout instead of waiting for it."""
+    run_ranks(1, _stalled_comm_lane_body, pinned, backend="nccl", timeout=200)
+
+
+def _uint8_cast_body(rank, world_size):
+    dev = torch.device("cuda", 0)
+    vals = torch.tensor([-17.26, -136.75, -1.0, -0.5, 0.0, 0.7, 3.7, 127.5, 255.0, 300.5, -300.0, 1000.0] * 40)
+    full = {f"{dtype}_{where}".replace("torch.", ""): vals.to(dtype)
+            for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) for where in ("gpu", "pinned")}
+    model = nn.Module()
+    for k, v in full.items():
+        model.register_parameter(k, nn.Parameter(torch.zeros(v.shape, dtype=torch.uint8, device=dev),
+                                                 requires_grad=False))
+    sd = {k: v.to(dev) if k.endswith("gpu") else v.pin_memory() for k, v in full.items()}
+    stats = coalesced_bcast.load_full_state_dict(model, sd)
+    torch.cuda.synchronize()
+    assert stats.cast_keys == len(full), stats
+    for k, v in full.items():
+        want = v.to(dev).to(torch.uint8)  # torch's CUDA cast: through int64, negative values wrap
+        got = getattr(model, k)
+        assert torch.equal(got, want), f"'{k}': {got[:12].tolist()} against torch's {want[:12].tolist()}"
+
+
+def test_load_casts_floats_into_uint8_as_torch_does():
+    run_ranks(1, _uint8_cast_body, backend="nccl", timeout=200)
