@@ -222,8 +222,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bucket_units", &bucket_units, py::arg("units"), py::arg("bucket_bytes"), py::arg("whole") = false,
         "Per piece of a unit in a bucket: int64 [n, 5] of bucket, unit, first element, elements, byte offset");
   py::class_<SlotViews>(m, "SlotViews")
-      .def(py::init<const at::Tensor&, const at::Tensor&, std::vector<std::string>>(), py::arg("units"),
-           py::arg("rows"), py::arg("names") = std::vector<std::string>{})
+      .def(py::init<const at::Tensor&, const at::Tensor&, std::vector<py::object>>(), py::arg("units"),
+           py::arg("rows"), py::arg("names") = std::vector<py::object>{})
       .def_property_readonly("num_buckets", &SlotViews::num_buckets)
       .def("views", &SlotViews::views, py::arg("bucket"), py::arg("slot"),
            "Views of the bucket's rows into its slot: whole units shaped, pieces flat")

@@ -2,7 +2,7 @@
 
 namespace coalesced_bcast {
 
-SlotViews::SlotViews(const at::Tensor& units, const at::Tensor& rows, std::vector<std::string> names)
+SlotViews::SlotViews(const at::Tensor& units, const at::Tensor& rows, std::vector<py::object> names)
     : units_(read_units(units)) {
   // Offsets come from the rows: the stream's layout (whole_in or not) does not matter here.
   TORCH_CHECK_VALUE(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.size(1) == 5 && rows.is_cpu(),
@@ -21,7 +21,9 @@ SlotViews::SlotViews(const at::Tensor& units, const at::Tensor& rows, std::vecto
   }
   if (m > 0) starts_.push_back(m);
   for (size_t u = 0; u < names.size(); ++u) {
-    names_.push_back(py::str(names[u]));
+    TORCH_CHECK_TYPE(names[u].is_none() || py::isinstance<py::str>(names[u]), "the name of unit ", u,
+                     " is a ", py::str(py::type::of(names[u])).cast<std::string>(), ", not a str or None");
+    names_.push_back(std::move(names[u]));
     py::tuple shape(units_[u].ndim);
     for (int64_t d = 0; d < units_[u].ndim; ++d) shape[d] = py::int_(units_[u].sizes[d]);
     shapes_.push_back(std::move(shape));
@@ -50,6 +52,7 @@ py::tuple SlotViews::batch(int64_t k, const at::Tensor& slot) const {
   py::list pairs, pieces;
   for (int64_t i = starts_[k]; i < starts_[k + 1]; ++i) {
     const int64_t* p = rows_.data() + i * 5;
+    if (names_[p[1]].is_none()) continue;  // mapped to no name: this side does not take it
     const auto& u = units_[p[1]];
     py::object v = py::cast(view(p, slot));
     if (p[2] == 0 && p[3] == u.numel) {

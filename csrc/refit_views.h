@@ -19,8 +19,9 @@ namespace py = pybind11;
 class SlotViews {
  public:
   // units: int64 [n, 2 + kMaxDims]; rows: bucket_units' int64 [m, 5] (sorted by bucket);
-  // names: one per unit (may be empty when only views() is used).
-  SlotViews(const at::Tensor& units, const at::Tensor& rows, std::vector<std::string> names);
+  // names: one per unit, a str or None (the unit is left out of the batches), or none at all when
+  // only views() is used.
+  SlotViews(const at::Tensor& units, const at::Tensor& rows, std::vector<py::object> names);
 
   int64_t num_buckets() const {
     return static_cast<int64_t>(starts_.size()) - 1;
@@ -36,7 +37,7 @@ class SlotViews {
   std::vector<Unit> units_;
   std::vector<int64_t> rows_;    // m x 5
   std::vector<int64_t> starts_;  // per bucket, its first row; then m
-  std::vector<py::object> names_;   // per unit, a Python str made once
+  std::vector<py::object> names_;   // per unit, its Python str (None: not in the batches)
   std::vector<py::object> shapes_;  // per unit, its full shape as a tuple
 };
 

@@ -389,3 +389,65 @@ def _trainer_refuses_body(rank, world_size):
 
 def test_refit_trainer_rank_refusal_raises_on_every_rank():
     run_ranks(3, _trainer_refuses_body, timeout=120)
+
+
+def _replicated_trainer_body(rank, world_size, sender_rank, as_dtensor):
+    refit = dist.new_group([TRAINER[0], ENGINE])
+    trainer = dist.new_group(list(TRAINER))
+    state = _full_state(3)
+    if rank in TRAINER:
+        if as_dtensor:  # replicated DTensors: nothing sharded, so no trainer group is derived from them
+            mesh = DeviceMesh.from_group(trainer, "cpu")
+            weights = {k: DTensor.from_local(v.clone(), mesh, [Replicate()], run_check=False) for k, v in state.items()}
+        else:  # a DDP-style trainer: every rank holds the whole state as plain tensors
+            weights = {k: v.clone() for k, v in state.items()}
+        # Only trainer rank 0 is in the refit group: it sends, whatever sender_rank says, and rank 1 sits out.
+        sender = RefitSender(weights, refit if rank == TRAINER[0] else None, sender_rank=sender_rank, bucket_bytes=4096)
+        for _ in range(2):
+            stats = sender.send(verify=True)
+            assert stats.bytes > 0 if rank == TRAINER[0] else (stats.bytes == 0 and stats.buckets == 0), stats
+    else:
+        dest = {k: torch.zeros_like(v) for k, v in state.items()}
+        receiver = RefitReceiver(refit, tensors=dest)
+        for _ in range(2):
+            receiver.receive()
+        for k, v in state.items():
+            assert same_bits(dest[k], v), k
+
+
+@pytest.mark.parametrize("sender_rank", [0, 1])
+@pytest.mark.parametrize("as_dtensor", [False, True], ids=["plain", "replicated"])
+def test_refit_unsharded_trainer_of_two_ranks_sends_from_the_rank_in_the_refit_group(sender_rank, as_dtensor):
+    """Every trainer rank makes a RefitSender; with nothing sharded, the rank given the refit group sends and
+    the other does nothing (before: each took itself for the only trainer rank, and with sender_rank 0 rank 1
+    failed for want of a refit group, with 1 nobody sent and the engine waited)."""
+    run_ranks(3, _replicated_trainer_body, sender_rank, as_dtensor, timeout=120)
+
+
+def _callback_name_map_body(rank, world_size):
+    pg = dist.new_group([0, 1])
+    state = {"model.a.weight": torch.arange(6.).reshape(2, 3), "model.skip": torch.ones(3),
+             "model.big": torch.arange(3000.)}  # 12,000 bytes: pieces over several 4 KiB buckets
+    if rank == 0:
+        RefitSender(state, pg, bucket_bytes=4096).send()
+        return
+    pairs, pieces = [], []
+
+    def take(batch):
+        pairs.extend((name, t.clone()) for name, t in batch)
+        pieces.extend((name, flat.clone(), first, shape) for name, flat, first, shape in batch.pieces)
+
+    names = {"model.a.weight": "a", "model.skip": None}
+    RefitReceiver(pg, on_weights=take, name_map=lambda n: names.get(n, n.replace("model.", "")),
+                  ).receive()
+    assert [n for n, _ in pairs] == ["a"], pairs
+    assert torch.equal(pairs[0][1], state["model.a.weight"])
+    assert {n for n, *_ in pieces} == {"big"}, [p[0] for p in pieces]
+    big = torch.cat([flat for _, flat, _, _ in sorted(pieces, key=lambda p: p[2])])
+    assert torch.equal(big, state["model.big"])
+
+
+def test_refit_callback_gets_the_mapped_names():
+    """name_map applies to on_weights too: a callback gets this side's names, and names mapped to None are
+    left out of its batches (before, it got the sender's names and every tensor)."""
+    run_ranks(2, _callback_name_map_body, timeout=120)

@@ -442,3 +442,59 @@ def _casts_body(rank: int, ws: int) -> None:
 
 def test_casts_as_load_state_dict() -> None:
     run_ranks(2, _casts_body)
+
+
+class _Unpicklable:
+    def __init__(self) -> None:
+        import threading
+        self.lock = threading.Lock()
+
+
+def _remake_on_rank_0():
+    if dist.get_rank() != 0:
+        raise ModuleNotFoundError("no module named 'only_on_rank_0'")
+    return _PickyExtra()
+
+
+class _PickyExtra:
+    """Pickles everywhere, unpickles only on rank 0 (as a class importable on the source alone)."""
+
+    def __reduce__(self):
+        return (_remake_on_rank_0, ())
+
+
+class _WithExtra(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 5)
+        self.extra = {"step": 1}
+
+    def get_extra_state(self):
+        return self.extra
+
+    def set_extra_state(self, state) -> None:
+        self.extra = state
+
+
+def _metadata_body(rank: int, ws: int) -> None:
+    torch.manual_seed(5)
+    model = _WithExtra()
+    sd = dict(random_sd(model, seed=8)) if rank == 0 else None
+    before = snapshot(model)
+    for extra, needle in ((_Unpicklable(), "cannot be pickled"), (_PickyExtra(), "cannot be unpickled on rank 1")):
+        if rank == 0:
+            sd["_extra_state"] = extra
+        expect_error(lambda: load_full_state_dict(model, sd, **SMALL), needle)
+        after = snapshot(model)
+        assert all(same_bits(before[k], after[k]) for k in before), f"{needle}: a tensor was written on rank {rank}"
+        assert model.extra == {"step": 1}
+    if rank == 0:
+        sd["_extra_state"] = {"step": 2}
+    load_full_state_dict(model, sd, **SMALL)  # the group is still usable, and the load goes through
+    assert model.extra == {"step": 2} and same_bits(model.lin.weight, random_sd(_WithExtra(), seed=8)["lin.weight"])
+
+
+def test_metadata_that_cannot_be_pickled_or_unpickled_raises_on_every_rank() -> None:
+    """An extra state the source cannot pickle, or a receiver cannot unpickle, raises the same error on every
+    rank before any write (before: the source raised alone and the others waited out the group's timeout)."""
+    run_ranks(2, _metadata_body, timeout=120)

@@ -163,7 +163,9 @@ class RefitSender:
       rank holds whole. Local shards must be contiguous: they are read in place, never copied whole.
     refit_group: the group joining the sending rank to the engines (see :func:`init_refit_group`), on
       the sending rank; None on the other trainer ranks.
-    src: the sending rank's rank in the refit group. sender_rank: its rank in the trainer group.
+    src: the sending rank's rank in the refit group. sender_rank: its rank in the trainer group. When no
+      tensor is sharded and no trainer_group is given, every trainer rank holds the whole state: the rank
+      given the refit group sends it, and on the others (refit_group None) send() does nothing.
     trainer_group: the group the shards are gathered over; default the DTensors' mesh group (none when
       no tensor is sharded).
     dtype: the wire's dtype (what the engine takes): None keeps each tensor's; a dtype casts every
@@ -196,9 +198,14 @@ class RefitSender:
              and any(isinstance(p, Shard) for p in t.placements)), None)
         self._trainer_rank = self.trainer_group.rank() if self.trainer_group is not None else 0
         self._trainer_world = self.trainer_group.size() if self.trainer_group is not None else 1
-        self._is_sender = self._trainer_rank == self.sender_rank
         self.units = torch.zeros((0, _W), dtype=torch.int64)
         self.digest = 0
+        # Nothing sharded and no trainer group: every trainer rank holds the whole state, and the one given
+        # the refit group sends it; the others take no part (their send() returns at once).
+        self._idle = self.trainer_group is None and self.refit_group is None
+        self._is_sender = not self._idle if self.trainer_group is None else self._trainer_rank == self.sender_rank
+        if self._idle:
+            return
         try:
             self._plan_local()
         except (TypeError, ValueError, RuntimeError) as e:
@@ -257,7 +264,8 @@ class RefitSender:
         self._trainer_digest = _digest(self.digest, modes, world, self.sender_rank)
         device = device or torch.device("cpu")
         # Tensors this rank holds no part of go in as undefined: the plan reads none of them.
-        self._plan = _C.refit_plan(self.units, locals_, modes, rank, world, self.sender_rank, self.bucket_bytes,
+        sender = self.sender_rank if self.trainer_group is not None else 0  # with no trainer group: this rank
+        self._plan = _C.refit_plan(self.units, locals_, modes, rank, world, sender, self.bucket_bytes,
                                    self.ring_depth, rank, device, self.names)
 
     # -- the step ------------------------------------------------------------------------------------
@@ -279,6 +287,9 @@ class RefitSender:
         holds and compare with the sender's bytes (VerifyError on a difference).
         """
         t0 = time.perf_counter()
+        if self._idle:
+            return RefitStats(tensors=len(self.names), bytes=0, buckets=0, ring_bytes=0, seconds=0.0, agree_seconds=0.0,
+                              transfer_seconds=0.0, planned=False, verified=False)
         timeout = as_timedelta(timeout)
         planned = False
         error = self._error
@@ -458,7 +469,8 @@ class RefitReceiver:
         self._meta = meta
         self._dest_keys = dest_keys
         self._rows = _C.bucket_units(units, bucket_bytes, True)
-        self._views = _C.SlotViews(units, self._rows, list(names))  # per bucket: views, callback batches
+        # Per bucket: views, and the callback's batches under this side's names (a name mapped to None is left out).
+        self._views = _C.SlotViews(units, self._rows, [self._map(n) for n in names])
         self.digest = meta["digest"]
         return None
 

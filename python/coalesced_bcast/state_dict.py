@@ -133,11 +133,11 @@ def load_full_state_dict(
                 meta, src_tensors = _describe_source(sd, extra_mods, device, error, bucket_bytes, ring_depth, rank)
             except Exception as e:  # the others are already waiting for the metadata: tell them
                 meta, src_tensors = dict(fatal=f"rank {rank}: {type(e).__name__}: {e}"), None
-        meta = _broadcast_meta(meta, pg, src_g, ctrl)
+        meta, unreadable = _broadcast_meta(meta, pg, src_g, ctrl, rank)
         if meta["fatal"]:
             raise LoadStateDictError(f"load_full_state_dict: source rank {src} refused, so no rank loaded "
                                      f"anything: {meta['fatal']}")
-        plan = _plan_local(model, model_sd, extra_mods, meta, src_tensors, strict, device, rank, error,
+        plan = _plan_local(model, model_sd, extra_mods, meta, src_tensors, strict, device, rank, error or unreadable,
                            bucket_bytes, ring_depth, copy_threads if is_src else 1)
         _agree(plan, pg, src_g, ctrl, rank)
         buckets = _transfer(plan, pg, src_g, is_src, timeout, progress_seconds, t0)
@@ -263,9 +263,20 @@ def _check_options(bucket_bytes: int, ring_depth: int) -> Optional[str]:
     return None
 
 
-def _broadcast_meta(meta: Optional[dict], pg: dist.ProcessGroup, src_g: int, ctrl: torch.device) -> dict:
+def _broadcast_meta(meta: Optional[dict], pg: dist.ProcessGroup, src_g: int, ctrl: torch.device,
+                    rank: int) -> tuple[dict, Optional[str]]:
+    """The source's metadata on every rank, and why this rank cannot read it (None: it can). Every rank
+    takes part in every broadcast whatever fails, so that a failure reaches the agreement instead of
+    leaving the others waiting."""
     src = dist.get_global_rank(pg, src_g)
-    blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL) if meta is not None else b""
+    blob = b""
+    if meta is not None:
+        try:
+            blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # a module's extra state that cannot be pickled, most likely
+            meta = dict(fatal=f"rank {rank}: the checkpoint's metadata (keys, shapes, extra states) cannot be "
+                              f"pickled: {type(e).__name__}: {e}")
+            blob = pickle.dumps(meta)
     n = torch.tensor([len(blob)], dtype=torch.int64, device=ctrl)
     dist.broadcast(n, src, group=pg)
     total = int(n.item())
@@ -278,7 +289,13 @@ def _broadcast_meta(meta: Optional[dict], pg: dist.ProcessGroup, src_g: int, ctr
         dist.broadcast(part, src, group=pg)
         if meta is None:
             host[lo:lo + part.numel()].copy_(part)
-    return meta if meta is not None else pickle.loads(host.numpy().tobytes())
+    if meta is not None:
+        return meta, None
+    try:
+        return pickle.loads(host.numpy().tobytes()), None
+    except Exception as e:  # an extra state whose class this process cannot import, say
+        return dict(fatal=None), (f"the source's metadata cannot be unpickled on rank {rank}: "
+                                  f"{type(e).__name__}: {e}")
 
 
 class _Plan:
