@@ -498,3 +498,75 @@ def test_metadata_that_cannot_be_pickled_or_unpickled_raises_on_every_rank() -> 
     """An extra state the source cannot pickle, or a receiver cannot unpickle, raises the same error on every
     rank before any write (before: the source raised alone and the others waited out the group's timeout)."""
     run_ranks(2, _metadata_body, timeout=120)
+
+
+class _GetOnly(nn.Module):
+    """Saves an extra state but does not take one back (set_extra_state not overridden)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(3))
+
+    def get_extra_state(self):
+        return {"kind": "get-only"}
+
+
+class _Legacy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.register_module("gone", None)  # a child set to None: checkpoint keys under it are passed over
+        self.get_only = _GetOnly()
+
+
+def _torch_semantics_body(rank: int, ws: int) -> None:
+    import copy
+    from collections import OrderedDict
+    torch.manual_seed(3)
+    model = _Legacy()
+    model.bn.num_batches_tracked.fill_(7)
+    full = {k: v.clone() for k, v in random_sd(model, seed=9).items() if isinstance(v, torch.Tensor)}
+    full["bn.num_batches_tracked"] = torch.tensor(12)
+    cases = {
+        # An old batch norm checkpoint (no num_batches_tracked, no _metadata): torch keeps the module's count.
+        "bn without num_batches_tracked": ({k: v for k, v in full.items() if k != "bn.num_batches_tracked"}, None),
+        # The same with _metadata at version 2 for the batch norm: now the key is missing.
+        "bn version 2": ({k: v for k, v in full.items() if k != "bn.num_batches_tracked"}, {"bn": {"version": 2}}),
+        # Keys under a child set to None: passed over.
+        "keys under a None child": (dict(full, **{"gone.weight": torch.ones(2)}), None),
+        # The get-only module's extra state in the checkpoint: unexpected (torch has no set_extra_state to call).
+        "extra state of a get-only module": (dict(full, **{"get_only._extra_state": {"kind": "x"}}), None),
+    }
+    for what, (sd, md) in cases.items():
+        if md is not None:
+            sd = OrderedDict(sd)
+            sd._metadata = OrderedDict(md)
+        for strict in (True, False):
+            ref = copy.deepcopy(model)
+            try:
+                want = ref.load_state_dict(sd, strict=strict)
+                want_error = None
+            except RuntimeError as e:
+                want_error = str(e)
+            mine = copy.deepcopy(model)
+            try:
+                got = load_full_state_dict(mine, sd if rank == 0 else None, strict=strict, **SMALL)
+                got_error = None
+            except LoadStateDictError as e:
+                got_error = str(e)
+            assert (want_error is None) == (got_error is None), f"{what}, strict={strict}: torch {want_error!r}, " \
+                                                                f"ours {got_error!r}"
+            if want_error is not None:
+                continue
+            assert sorted(got.missing_keys) == sorted(want.missing_keys), (what, strict, got, want)
+            assert sorted(got.unexpected_keys) == sorted(want.unexpected_keys), (what, strict, got, want)
+            for k, v in ref.state_dict().items():
+                if isinstance(v, torch.Tensor):
+                    assert same_bits(mine.state_dict()[k], v), f"{what}, strict={strict}: '{k}' differs"
+
+
+def test_load_state_dict_semantics_of_old_checkpoints_none_children_and_get_only_extra_state() -> None:
+    """As torch's load_state_dict: batch norm counts filled in for old checkpoints, keys under a child set to
+    None passed over, a module without set_extra_state neither expects nor takes its extra state key."""
+    run_ranks(2, _torch_semantics_body, timeout=120)

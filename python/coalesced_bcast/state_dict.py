@@ -42,6 +42,7 @@ from .sync import DEFAULT_BUCKET_BYTES, DEFAULT_RING_DEPTH, _group_src, _resolve
 
 logger = logging.getLogger(__name__)
 
+_NBT = "num_batches_tracked"
 _EXTRA = getattr(nn.modules.module, "_EXTRA_STATE_KEY_SUFFIX", "_extra_state")
 _META_CHUNK = 512 << 10  # metadata moves in pieces this size: small-pool device blocks only
 _RECORD = 4096  # bytes per rank in the verdict all_gather: 3 int64, then a UTF-8 message
@@ -104,7 +105,13 @@ def load_full_state_dict(
         timeout: seconds (or a timedelta) for each bucket's broadcast; default: the group's.
 
     Keys are the model's ``state_dict()`` keys (persistent buffers only); a checkpoint value is cast
-    to the model tensor's dtype on the device after transfer. Non-persistent buffers are not in a
+    to the model tensor's dtype on the device after transfer. As ``load_state_dict``: batch norm's
+    ``num_batches_tracked`` may be absent from a checkpoint older than its version 2, keys under a child
+    set to None are passed over, and a module's extra state is taken only where it overrides
+    ``set_extra_state``. Unlike it: custom ``_load_from_state_dict`` overrides and load pre-hooks do not
+    run (nor the 0-dim-from-1-dim rule of torch 0.3 checkpoints), post-hooks cannot clear missing or
+    unexpected keys (strict is judged before the transfer), and a ``set_extra_state`` that raises does so
+    after the tensors are written. Non-persistent buffers are not in a
     state dict and are left as they are; tied parameters receive the value of their last key, as
     with ``load_state_dict``. The model's load_state_dict post-hooks run afterwards (FSDP2 uses one);
     pre-hooks, which rewrite the incoming dict, do not. Any error (missing or unexpected keys under
@@ -130,7 +137,8 @@ def load_full_state_dict(
         meta, src_tensors = None, None
         if is_src:
             try:
-                meta, src_tensors = _describe_source(sd, extra_mods, device, error, bucket_bytes, ring_depth, rank)
+                meta, src_tensors = _describe_source(sd, extra_mods, device, error, bucket_bytes, ring_depth, rank,
+                                                     model_sd)
             except Exception as e:  # the others are already waiting for the metadata: tell them
                 meta, src_tensors = dict(fatal=f"rank {rank}: {type(e).__name__}: {e}"), None
         meta, unreadable = _broadcast_meta(meta, pg, src_g, ctrl, rank)
@@ -214,13 +222,13 @@ def _source_problem(v: Any) -> str:
 
 
 def _describe_source(sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Module], device: torch.device,
-                     error: Optional[str], bucket_bytes: int, ring_depth: int,
-                     rank: int) -> tuple[dict, list[Optional[torch.Tensor]]]:
+                     error: Optional[str], bucket_bytes: int, ring_depth: int, rank: int,
+                     model_sd: Optional[Mapping[str, Any]] = None) -> tuple[dict, list[Optional[torch.Tensor]]]:
     """The metadata every rank plans from: the keys; for the plain tensors among the values (their key
     indices in `rows`) a C++-made table of dtype, ndim and sizes and, in `canon`, per row the first row that is
     the same tensor (ties are sent once); extra states (`extras`, pickled objects) and refusals (`bad`)."""
     meta: dict[str, Any] = dict(fatal=None, keys=[], rows=None, table=None, canon=None, extras={}, bad={},
-                                bucket_bytes=bucket_bytes, ring_depth=ring_depth)
+                                bucket_bytes=bucket_bytes, ring_depth=ring_depth, norm_versions={})
     if error is None and not isinstance(sd, Mapping):
         error = f"sd is {'None' if sd is None else 'a ' + type(sd).__name__} on the source; pass the full state dict"
     if error is None:
@@ -247,12 +255,44 @@ def _describe_source(sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Mod
                 tensors.append(v)
             else:
                 meta["bad"][i] = _source_problem(v)
+    if model_sd is not None:
+        meta["norm_versions"] = _norm_versions(sd, model_sd)
     table, canon, problems = _C.describe_tensors(tensors, device)
     for j, why in problems:
         meta["bad"][rows[j]] = why
     meta["rows"], meta["table"] = torch.tensor(rows, dtype=torch.int64), table
     meta["canon"] = canon  # as table rows
     return meta, tensors
+
+
+def _norm_versions(sd: Mapping[str, Any], model_sd: Mapping[str, Any]) -> dict[str, Optional[int]]:
+    """Per num_batches_tracked key of the model that the checkpoint lacks, the version that the checkpoint's
+    _metadata gives its module (None without one): batch norm's own _load_from_state_dict fills the key in
+    for checkpoints older than version 2, so that load_state_dict does not call it missing."""
+    lacking = [k for k in model_sd if (k == _NBT or k.endswith("." + _NBT)) and k not in sd]
+    if not lacking:
+        return {}
+    md = getattr(sd, "_metadata", None)
+    return {k: md.get(k[:-len(_NBT)].rstrip("."), {}).get("version") if md is not None else None for k in lacking}
+
+
+def _torch_fills(model: nn.Module, key: str, versions: Mapping[str, Optional[int]]) -> bool:
+    """A missing key that load_state_dict would not report: batch norm's num_batches_tracked in an old checkpoint."""
+    if key not in versions or (versions[key] is not None and versions[key] >= 2):
+        return False
+    try:
+        m = model.get_submodule(key[:-len(_NBT)].rstrip("."))
+    except AttributeError:
+        return False
+    return isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+
+
+def _under_none_children(model: nn.Module) -> tuple[str, ...]:
+    """Prefixes of children set to None: load_state_dict passes over checkpoint keys under them."""
+    out = []
+    for name, m in model.named_modules(remove_duplicate=False):
+        out += [f"{name}.{c}." if name else f"{c}." for c, child in m._modules.items() if child is None]
+    return tuple(out)
 
 
 def _check_options(bucket_bytes: int, ring_depth: int) -> Optional[str]:
@@ -344,8 +384,19 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
     index = {k: i for i, k in enumerate(keys)}
     extras, bad = meta["extras"], meta["bad"]
     row_of = dict(zip(meta["rows"].tolist(), range(len(meta["rows"]))))  # key index -> table row
+    if extra:  # load_state_dict takes extra state only into modules that override set_extra_state
+        unset = {k for k, m in extra.items() if type(m).set_extra_state is nn.Module.set_extra_state}
+        if unset:
+            model_sd = {k: v for k, v in model_sd.items() if k not in unset}
+            extra = {k: m for k, m in extra.items() if k not in unset}
     plan.missing = [k for k in model_sd if k not in index]
+    if plan.missing and meta.get("norm_versions"):
+        plan.missing = [k for k in plan.missing if not _torch_fills(model, k, meta["norm_versions"])]
     plan.unexpected = [k for k in keys if k not in model_sd]
+    if plan.unexpected:
+        under_none = _under_none_children(model)
+        if under_none:
+            plan.unexpected = [k for k in plan.unexpected if not k.startswith(under_none)]
     if strict and plan.missing:
         plan.errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.missing) + ".")
     if strict and plan.unexpected:
