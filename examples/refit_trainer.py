@@ -82,7 +82,7 @@ def main():
 
     # The refit group: trainer rank 0 and the engine, met at a store of their own.
     refit = coalesced_bcast.init_refit_group(a.host, a.port, 0, 2, device=device) if rank == 0 else None
-    sender = coalesced_bcast.RefitSender(model.named_parameters(), refit, dtype=torch.bfloat16)
+    sender = coalesced_bcast.RefitSender(model, refit, dtype=torch.bfloat16)
     for step in range(a.steps):
         x = torch.randint(0, VOCAB, (4, 32), device=device)
         loss = model(x).float().logsumexp(-1).mean()

@@ -451,3 +451,46 @@ def test_refit_callback_gets_the_mapped_names():
     """name_map applies to on_weights too: a callback gets this side's names, and names mapped to None are
     left out of its batches (before, it got the sender's names and every tensor)."""
     run_ranks(2, _callback_name_map_body, timeout=120)
+
+
+def _replaced_parameter_body(rank, world_size):
+    pg = dist.new_group([0, 1])
+    if rank == 0:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+        sender = RefitSender(model, pg, bucket_bytes=4096)
+        assert sender.names == ["0.weight", "0.bias", "1.weight", "1.bias"], sender.names
+        sender.send(verify=True)
+        # A rollback that assigns new tensors: the plan's storage is no longer the model's.
+        new = {k: torch.full_like(v, 2.0) for k, v in model.state_dict().items()}
+        model.load_state_dict(new, assign=True)
+        with pytest.raises(AgreementError, match="'0.weight'.*replaced by another object"):
+            sender.send()
+        stats = sender.send(replan=True, verify=True)
+        assert stats.planned, stats
+        sender.send(verify=True)  # the new plan is kept
+        # Two names mapped to one engine tensor: refused before any byte moves.
+        with pytest.raises(AgreementError, match="both map to 'w'"):
+            sender.send()
+    else:
+        dest = {"0.weight": torch.zeros(3, 4), "0.bias": torch.zeros(3), "1.weight": torch.zeros(2, 3),
+                "1.bias": torch.zeros(2)}
+        receiver = RefitReceiver(pg, tensors=dest)
+        receiver.receive()
+        with pytest.raises(AgreementError, match="replaced by another object"):
+            receiver.receive()
+        receiver.receive()
+        assert all(torch.equal(v, torch.full_like(v, 2.0)) for v in dest.values()), dest
+        receiver.receive()
+        clash = RefitReceiver(pg, tensors={"w": torch.zeros(3, 4), "1.weight": torch.zeros(2, 3),
+                                           "1.bias": torch.zeros(2)},
+                              name_map={"0.weight": "w", "0.bias": "w"})
+        with pytest.raises(AgreementError, match="both map to 'w'"):
+            clash.receive()
+
+
+def test_refit_sender_of_a_module_refuses_replaced_parameters():
+    """A RefitSender made from a module checks on every send that each parameter is still the object planned
+    with (before: after load_state_dict(assign=True) it sent the old storage, and verify passed); a receiver
+    whose name_map sends two names to one tensor is refused at planning."""
+    run_ranks(2, _replaced_parameter_body, timeout=120)

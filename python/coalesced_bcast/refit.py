@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from . import _C
 from .agree import (_HEADER, AgreementError, CollectiveError, _gather, _message, _record, as_timedelta, broadcast,
@@ -154,11 +155,29 @@ class _Hasher:
         return torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.int64)
 
 
+def _parameter_slots(module: nn.Module) -> tuple[list[str], list[dict], list[str], list[torch.Tensor]]:
+    """named_parameters() as (names, the dicts that hold them, their keys there, the parameters)."""
+    names, owners, keys, params, seen = [], [], [], [], set()
+    for prefix, m in module.named_modules():
+        for k, p in m._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            names.append(f"{prefix}.{k}" if prefix else k)
+            owners.append(m._parameters)
+            keys.append(k)
+            params.append(p)
+    return names, owners, keys, params
+
+
 class RefitSender:
     """The trainer side of a refit: every trainer rank makes one and calls :meth:`send` each step.
 
-    named_tensors: the weights, ``(name, tensor)`` pairs (``model.named_parameters()``, a state dict),
-      the same names in the same order on every trainer rank. A tensor is either a DTensor on a 1-D mesh,
+    named_tensors: the weights: a module (its ``named_parameters()``; each send then also checks that
+      every parameter is still the object the plan was made with, so that one replaced by
+      ``load_state_dict(assign=True)`` is refused, or replanned with ``replan=True``, rather than its old
+      storage sent), or ``(name, tensor)`` pairs (``named_parameters()``, a state dict); the same names in
+      the same order on every trainer rank. A tensor is either a DTensor on a 1-D mesh,
       sharded by rows (``Shard(0)``, as FSDP2 shards) or replicated, or a plain tensor that the sending
       rank holds whole. Local shards must be contiguous: they are read in place, never copied whole.
     refit_group: the group joining the sending rank to the engines (see :func:`init_refit_group`), on
@@ -174,14 +193,20 @@ class RefitSender:
     bucket_bytes, ring_depth: the ring (``DEFAULT_REFIT_*``); the receivers follow the sender's bucket size.
     """
 
-    def __init__(self, named_tensors: Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]],
+    def __init__(self, named_tensors: Union[nn.Module, Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]],
                  refit_group: Optional[dist.ProcessGroup], *, src: int = 0, sender_rank: int = 0,
                  trainer_group: Optional[dist.ProcessGroup] = None,
                  dtype: Union[None, torch.dtype, Callable[[str, torch.Tensor], torch.dtype]] = None,
                  bucket_bytes: int = DEFAULT_REFIT_BUCKET_BYTES, ring_depth: int = DEFAULT_REFIT_RING_DEPTH):
-        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        self.names = [n for n, _ in items]
-        self._tensors = [t for _, t in items]
+        self._module = named_tensors if isinstance(named_tensors, nn.Module) else None
+        self._slots: Optional[tuple] = None  # a module's (owners, keys, parameters): checked on every send
+        if self._module is not None:
+            self.names, *self._slots = _parameter_slots(self._module)
+            self._tensors = self._slots[2]
+        else:
+            items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+            self.names = [n for n, _ in items]
+            self._tensors = [t for _, t in items]
         self.refit_group, self.src, self.sender_rank = refit_group, src, sender_rank
         self._trainer_arg, self._dtype = trainer_group, dtype
         self.bucket_bytes, self.ring_depth = bucket_bytes, ring_depth
@@ -210,6 +235,16 @@ class RefitSender:
             self._plan_local()
         except (TypeError, ValueError, RuntimeError) as e:
             self._error = str(e)
+
+    def _replaced(self) -> Optional[str]:
+        """Of a module's parameters, the first that another object has replaced since the plan was made."""
+        if self._slots is None:
+            return None
+        i = _C.first_replaced(*self._slots)
+        if i < 0:
+            return None
+        return (f"tensor {i} ('{self.names[i]}') on trainer rank {self._trainer_rank} was replaced by another object "
+                f"since the plan was made (load_state_dict(assign=True), a parameter assigned anew)")
 
     def _wire_dtype(self, name: str, t: torch.Tensor) -> torch.dtype:
         d = self._dtype
@@ -293,13 +328,17 @@ class RefitSender:
         timeout = as_timedelta(timeout)
         planned = False
         error = self._error
-        if error is None:
+        changed = self._replaced() if error is None else None
+        if error is None and not changed:
             changed = self._plan.check_unchanged()
-            if changed and replan:
-                self._build()
-                planned, error = True, self._error
-            elif changed:
-                error = f"{changed}; make a new RefitSender or send(replan=True)"
+        if (changed or error) and replan:  # a plan that failed to build is tried again too
+            if self._module is not None:
+                self.names, *self._slots = _parameter_slots(self._module)
+                self._tensors = self._slots[2]
+            self._build()
+            planned, error = True, self._error
+        elif changed:
+            error = f"{changed}; make a new RefitSender or send(replan=True)"
         planned = planned or self._sends == 0
         self._sends += 1
         self._agree(error, timeout, verify)
@@ -445,12 +484,17 @@ class RefitReceiver:
         names, units, bucket_bytes = meta["names"], meta["units"], meta["bucket_bytes"]
         rank = self.refit_group.rank()
         dests, dest_rows, dest_keys = [], [], []
+        taken: dict[str, str] = {}
         try:
             if self._tensors is not None:
                 for i, name in enumerate(names):
                     key = self._map(name)
                     if key is None:
                         continue
+                    if key in taken:
+                        return (f"'{taken[key]}' and '{name}' both map to '{key}' on refit rank {rank}: a tensor "
+                                f"takes one")
+                    taken[key] = name
                     t = self._tensors.get(key)
                     shape = tuple(units[i, 2:2 + int(units[i, 1])].tolist())
                     if t is None:
