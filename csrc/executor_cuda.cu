@@ -21,13 +21,13 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
 
 #include "executor.h"
 #include "host_stage.h"
+#include "host_wait.h"
 #include "pack_cuda.h"
 
 namespace coalesced_bcast {
@@ -279,11 +279,8 @@ class CudaExecutor final : public Executor {
       done.synchronize();
       return true;
     }
-    while (!done.query()) {
-      if (std::chrono::steady_clock::now() >= *deadline_) return false;
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
-    return true;
+    const double left = std::chrono::duration<double>(*deadline_ - std::chrono::steady_clock::now()).count();
+    return poll_until([&] { return done.query(); }, left);
   }
 
   // Past the deadline, copies still queued may read the staging ring whenever their broadcasts end: its

@@ -79,16 +79,22 @@ def test_load_pinned_sources_on_one_gpu(host_read, monkeypatch):
     run_ranks(1, _mixed_body, True, backend="nccl", timeout=200)
 
 
-def _overwrite_after_return_body(rank, world_size):
+def _int16_weights(seed, count, numel):
+    """`count` random int16 tensors of `numel` on the GPU, and a model of zeroed parameters of their names."""
     dev = torch.device("cuda", 0)
-    g = torch.Generator(device=dev).manual_seed(9)
-    # Large contiguous pinned tensors only: every run goes up by the copy engine straight from the caller's
-    # memory (no host ring, no kernel reads), ~10 ms of copies on an H200.
-    full = {f"w{i}": torch.randint(-2**15, 2**15, (128 << 20,), dtype=torch.int16, device=dev, generator=g)
-            for i in range(2)}
+    g = torch.Generator(device=dev).manual_seed(seed)
+    full = {f"w{i}": torch.randint(-2**15, 2**15, (numel,), dtype=torch.int16, device=dev, generator=g)
+            for i in range(count)}
     model = nn.Module()
     for k, v in full.items():
         model.register_parameter(k, nn.Parameter(torch.zeros_like(v), requires_grad=False))
+    return full, model
+
+
+def _overwrite_after_return_body(rank, world_size):
+    # Large contiguous pinned tensors only: every run goes up by the copy engine straight from the caller's
+    # memory (no host ring, no kernel reads), ~10 ms of copies on an H200.
+    full, model = _int16_weights(9, 2, 128 << 20)
     sd = {k: v.cpu().pin_memory() for k, v in full.items()}
     torch.cuda.synchronize()
     stats = coalesced_bcast.load_full_state_dict(model, sd)
@@ -153,13 +159,7 @@ def _lane(name):
 
 
 def _stalled_comm_lane_body(rank, world_size, pinned):
-    dev = torch.device("cuda", 0)
-    g = torch.Generator(device=dev).manual_seed(12)
-    full = {f"w{i}": torch.randint(-2**15, 2**15, (4 << 20,), dtype=torch.int16, device=dev, generator=g)
-            for i in range(8)}
-    model = nn.Module()
-    for k, v in full.items():
-        model.register_parameter(k, nn.Parameter(torch.zeros_like(v), requires_grad=False))
+    full, model = _int16_weights(12, 8, 4 << 20)
     # pinned: every run goes up by the copy engine, so end() is the host's only wait on the copies; pageable
     # with one slot: the staging ring's slot is waited for before each bucket, a wait on the last broadcast.
     sd = {k: v.cpu().pin_memory() if pinned else v.cpu() for k, v in full.items()}
