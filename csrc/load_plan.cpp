@@ -31,7 +31,8 @@ void add_pack_runs(Plan& plan, const Unit& u, const at::Tensor& t, int64_t index
   const bool host = !t.device().is_cuda() && plan.device.is_cuda();
   TORCH_CHECK_VALUE(t.device() == plan.device || t.device().is_cpu(), what(), " is on ", t.device(),
                     "; the model is on ", plan.device, ": use CPU tensors or the model's device");
-  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, what(), " overlaps itself (an expanded view?)");
+  // A source only is read: an expanded view (stride 0, as torch.save keeps it) packs through its
+  // layout like any strided one, as load_state_dict's copy_ reads it.
   int32_t layout = -1;
   if (!t.is_contiguous()) {
     plan.layouts.push_back(collapse_layout(t, what));

@@ -427,7 +427,8 @@ def test_refit_unsharded_trainer_of_two_ranks_sends_from_the_rank_in_the_refit_g
 def _callback_name_map_body(rank, world_size):
     pg = dist.new_group([0, 1])
     state = {"model.a.weight": torch.arange(6.).reshape(2, 3), "model.skip": torch.ones(3),
-             "model.big": torch.arange(3000.)}  # 12,000 bytes: pieces over several 4 KiB buckets
+             "model.big": torch.arange(3000.),  # 12,000 bytes: pieces over several 4 KiB buckets
+             "model.none": torch.empty(0, 5, dtype=torch.bfloat16), "model.none_skipped": torch.empty(0)}
     if rank == 0:
         RefitSender(state, pg, bucket_bytes=4096).send()
         return
@@ -437,11 +438,13 @@ def _callback_name_map_body(rank, world_size):
         pairs.extend((name, t.clone()) for name, t in batch)
         pieces.extend((name, flat.clone(), first, shape) for name, flat, first, shape in batch.pieces)
 
-    names = {"model.a.weight": "a", "model.skip": None}
+    names = {"model.a.weight": "a", "model.skip": None, "model.none_skipped": None}
     RefitReceiver(pg, on_weights=take, name_map=lambda n: names.get(n, n.replace("model.", "")),
                   ).receive()
-    assert [n for n, _ in pairs] == ["a"], pairs
+    # A zero-element tensor has no bytes in any bucket: it comes last, as an empty tensor of its shape.
+    assert [n for n, _ in pairs] == ["a", "none"], pairs
     assert torch.equal(pairs[0][1], state["model.a.weight"])
+    assert pairs[1][1].shape == (0, 5) and pairs[1][1].dtype == torch.bfloat16, pairs[1][1]
     assert {n for n, *_ in pieces} == {"big"}, [p[0] for p in pieces]
     big = torch.cat([flat for _, flat, _, _ in sorted(pieces, key=lambda p: p[2])])
     assert torch.equal(big, state["model.big"])
@@ -449,7 +452,8 @@ def _callback_name_map_body(rank, world_size):
 
 def test_refit_callback_gets_the_mapped_names():
     """name_map applies to on_weights too: a callback gets this side's names, and names mapped to None are
-    left out of its batches (before, it got the sender's names and every tensor)."""
+    left out of its batches (before, it got the sender's names and every tensor); zero-element tensors reach
+    it too (before, they never did)."""
     run_ranks(2, _callback_name_map_body, timeout=120)
 
 

@@ -31,8 +31,8 @@ import torch.nn as nn
 from . import _C
 from .agree import (_HEADER, AgreementError, CollectiveError, _gather, _message, _record, as_timedelta, broadcast,
                     control_device)
-from .state_dict import _CASTABLE, _dtype_code, _int64_table
-from .sync import gc_paused
+from .state_dict import _CASTABLE, _dtype_code, _dtype_of_code, _int64_table
+from .sync import _module_slots, gc_paused
 from .verify import VerifyError
 
 try:  # DTensor's home since torch 2.5; torch 2.4 had it in a private module
@@ -155,21 +155,6 @@ class _Hasher:
         return torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.int64)
 
 
-def _parameter_slots(module: nn.Module) -> tuple[list[str], list[dict], list[str], list[torch.Tensor]]:
-    """named_parameters() as (names, the dicts that hold them, their keys there, the parameters)."""
-    names, owners, keys, params, seen = [], [], [], [], set()
-    for prefix, m in module.named_modules():
-        for k, p in m._parameters.items():
-            if p is None or id(p) in seen:
-                continue
-            seen.add(id(p))
-            names.append(f"{prefix}.{k}" if prefix else k)
-            owners.append(m._parameters)
-            keys.append(k)
-            params.append(p)
-    return names, owners, keys, params
-
-
 class RefitSender:
     """The trainer side of a refit: every trainer rank makes one and calls :meth:`send` each step.
 
@@ -201,8 +186,7 @@ class RefitSender:
         self._module = named_tensors if isinstance(named_tensors, nn.Module) else None
         self._slots: Optional[tuple] = None  # a module's (owners, keys, parameters): checked on every send
         if self._module is not None:
-            self.names, *self._slots = _parameter_slots(self._module)
-            self._tensors = self._slots[2]
+            self._read_module()
         else:
             items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
             self.names = [n for n, _ in items]
@@ -235,6 +219,12 @@ class RefitSender:
             self._plan_local()
         except (TypeError, ValueError, RuntimeError) as e:
             self._error = str(e)
+
+    def _read_module(self) -> None:
+        """named_parameters(), with the dicts that hold them: send() checks each still holds its parameter."""
+        self.names = []
+        self._slots = _module_slots(self._module, include_buffers=False, dedupe=True, names=self.names)
+        self._tensors = self._slots[2]
 
     def _replaced(self) -> Optional[str]:
         """Of a module's parameters, the first that another object has replaced since the plan was made."""
@@ -333,8 +323,7 @@ class RefitSender:
             changed = self._plan.check_unchanged()
         if (changed or error) and replan:  # a plan that failed to build is tried again too
             if self._module is not None:
-                self.names, *self._slots = _parameter_slots(self._module)
-                self._tensors = self._slots[2]
+                self._read_module()
             self._build()
             planned, error = True, self._error
         elif changed:
@@ -514,7 +503,13 @@ class RefitReceiver:
         self._dest_keys = dest_keys
         self._rows = _C.bucket_units(units, bucket_bytes, True)
         # Per bucket: views, and the callback's batches under this side's names (a name mapped to None is left out).
-        self._views = _C.SlotViews(units, self._rows, [self._map(n) for n in names])
+        mapped = [self._map(n) for n in names]
+        self._views = _C.SlotViews(units, self._rows, mapped)
+        # Zero-element tensors have no bytes in any bucket: the callback gets them as one last batch of
+        # empty tensors, so that an engine's load_weights sees every name it is sent.
+        self._empty = [(key, tuple(units[i, 2:2 + int(units[i, 1])].tolist()), _dtype_of_code(int(units[i, 0])))
+                       for i, key in enumerate(mapped) if key is not None
+                       and any(int(d) == 0 for d in units[i, 2:2 + int(units[i, 1])].tolist())]
         self.digest = meta["digest"]
         return None
 
@@ -564,6 +559,9 @@ class RefitReceiver:
                                                     None, 0.0, self._hook(hasher))
         except RuntimeError as e:
             raise CollectiveError(f"coalesced_bcast: the refit transfer failed on refit rank {pg.rank()}: {e}") from e
+        if self._on_weights is not None and self._empty:
+            self._on_weights(RefitBatch([(key, torch.empty(shape, dtype=dtype, device=self.device))
+                                         for key, shape, dtype in self._empty], []))
         if verify:
             self._verify(hasher, ctrl, timeout)
         return RefitStats(tensors=len(self._meta["names"]), bytes=self._plan.total_bytes,

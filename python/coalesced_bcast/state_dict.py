@@ -26,7 +26,7 @@ import pickle
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -109,14 +109,16 @@ def load_full_state_dict(
     ``num_batches_tracked`` may be absent from a checkpoint older than its version 2, keys under a child
     set to None are passed over, and a module's extra state is taken only where it overrides
     ``set_extra_state``. Unlike it: custom ``_load_from_state_dict`` overrides and load pre-hooks do not
-    run (nor the 0-dim-from-1-dim rule of torch 0.3 checkpoints), post-hooks cannot clear missing or
-    unexpected keys (strict is judged before the transfer), and a ``set_extra_state`` that raises does so
-    after the tensors are written. Non-persistent buffers are not in a
+    run (nor the 0-dim-from-1-dim rule of torch 0.3 checkpoints), and a ``set_extra_state`` that raises
+    does so after the tensors are written. Post-hooks may clear missing or unexpected keys, as with
+    ``load_state_dict``: where the model has such hooks (any but FSDP's own) and ``strict`` finds keys, it
+    is judged after them, so that error, as ``load_state_dict``'s, comes after the tensors are written;
+    otherwise before. Non-persistent buffers are not in a
     state dict and are left as they are; tied parameters receive the value of their last key, as
     with ``load_state_dict``. The model's load_state_dict post-hooks run afterwards (FSDP2 uses one);
     pre-hooks, which rewrite the incoming dict, do not. Any error (missing or unexpected keys under
     ``strict``, a shape mismatch, a bad value, a model that differs between ranks) is raised on every
-    rank before any tensor is written. On CUDA the caller's current stream is made to wait for the
+    rank, before any tensor is written but for the two cases above. On CUDA the caller's current stream is made to wait for the
     load: the model can be used at once in stream order.
     """
     t0 = time.perf_counter()
@@ -147,7 +149,7 @@ def load_full_state_dict(
                                      f"anything: {meta['fatal']}")
         plan = _plan_local(model, model_sd, extra_mods, meta, src_tensors, strict, device, rank, error or unreadable,
                            bucket_bytes, ring_depth, copy_threads if is_src else 1)
-        _agree(plan, pg, src_g, ctrl, rank)
+        strict_after_hooks = _agree(plan, pg, src_g, ctrl, rank)
         buckets = _transfer(plan, pg, src_g, is_src, timeout, progress_seconds, t0)
         tensors, nbytes = plan.tensors, plan.total
         direct = plan.core.direct_buckets if plan.core is not None else 0
@@ -155,7 +157,9 @@ def load_full_state_dict(
         del model_sd, src_tensors
         for obj, mod in plan.extras:
             mod.set_extra_state(obj)
-        _run_post_hooks(model, list(plan.missing), list(plan.unexpected))
+        _run_post_hooks(model, plan.missing, plan.unexpected)  # they may edit the lists, as in load_state_dict
+        if strict_after_hooks:
+            _strict_after_hooks(plan, model, strict, pg, ctrl, rank)
     stats = LoadStats(
         keys=plan.num_keys, tensors=tensors, bytes=nbytes, buckets=buckets,
         cast_keys=plan.cast_keys, missing_keys=tuple(plan.missing), unexpected_keys=tuple(plan.unexpected),
@@ -346,6 +350,7 @@ class _Plan:
         self.extras: list[tuple[Any, nn.Module]] = []
         self.missing: list[str] = []
         self.unexpected: list[str] = []
+        self.strict_after_hooks = False  # strict is judged after post-hooks that may clear keys
         self.num_keys = 0
         self.cast_keys = 0
         self.digest = 0
@@ -397,10 +402,10 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
         under_none = _under_none_children(model)
         if under_none:
             plan.unexpected = [k for k in plan.unexpected if not k.startswith(under_none)]
-    if strict and plan.missing:
-        plan.errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.missing) + ".")
-    if strict and plan.unexpected:
-        plan.errors.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.unexpected) + ".")
+    if strict and (plan.missing or plan.unexpected) and _key_editing_hooks(model):
+        plan.strict_after_hooks = True  # as load_state_dict: the hooks may clear them
+    elif strict:
+        plan.errors += _strict_errors(plan.missing, plan.unexpected)
     owned = _owned_tensors(model)
     # Key matching here; per value, its checks, unit and box in C++ (csrc/load_dests.h).
     load_keys, values, value_rows, value_keys = [], [], [], []
@@ -487,6 +492,36 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return code
 
 
+def _dtype_of_code(code: int) -> torch.dtype:
+    """The dtype whose c10::ScalarType number is `code` (_dtype_code's inverse)."""
+    if not _DTYPES:  # every dtype torch names, once
+        for d in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:
+            _DTYPES[_dtype_code(d)] = d
+    dtype = _DTYPES.get(code)
+    if dtype is None:
+        raise ValueError(f"no torch dtype has scalar type number {code}")
+    return dtype
+
+
+_DTYPES: dict[int, torch.dtype] = {}
+
+
+def _strict_errors(missing: list[str], unexpected: list[str]) -> list[str]:
+    out = []
+    if missing:
+        out.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
+    if unexpected:
+        out.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
+    return out
+
+
+def _key_editing_hooks(model: nn.Module) -> bool:
+    """Whether a load_state_dict post-hook that may edit the missing or unexpected keys is registered:
+    any but FSDP's own, which re-pad shards and leave the keys alone."""
+    return any(not (getattr(hook, "__module__", None) or "").startswith("torch.distributed.fsdp")
+               for m in model.modules() for hook in m._load_state_dict_post_hooks.values())
+
+
 def _owned_tensors(model: nn.Module) -> set[int]:
     """state_dict(keep_vars=True) returns the registered objects themselves, unless a hook copied one."""
     owned: set[int] = set()
@@ -520,27 +555,40 @@ def _digest(load_keys: list[str], extra: Mapping[str, nn.Module]) -> int:
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
-def _agree(plan: _Plan, pg: dist.ProcessGroup, src_g: int, ctrl: torch.device, rank: int) -> None:
-    """One all_gather of a small record: every rank raises the same verdict, before any write."""
-    msg = "\n\t".join(plan.errors)
+_REFUSED, _AFTER_HOOKS = 1, 2  # a record's status, beside 0: ready
+
+
+def _gather_records(status: int, digest: int, n: int, msg: str, pg: dist.ProcessGroup,
+                    ctrl: torch.device) -> tuple[list[list[int]], Callable[[int], str]]:
+    """One all_gather of a small record per rank: the heads [status, digest, n] and each rank's message."""
     rec = torch.zeros(_RECORD, dtype=torch.uint8)
-    rec[:24].view(torch.int64).copy_(torch.tensor([1 if msg else 0, plan.digest, plan.num_keys]))
+    rec[:24].view(torch.int64).copy_(torch.tensor([status, digest, n]))
     raw = msg.encode()[: _RECORD - 24]
     if raw:
         rec[24:24 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     out = [torch.empty(_RECORD, dtype=torch.uint8, device=ctrl) for _ in range(pg.size())]
     dist.all_gather(out, rec.to(ctrl), group=pg)
     table = torch.stack(out).cpu()
-    heads = table[:, :24].contiguous().view(torch.int64).tolist()
+
+    def text(r: int) -> str:
+        words = bytes(table[r, 24:].tolist()).rstrip(b"\0").decode(errors="replace")
+        return words + (" [...]" if len(words.encode()) >= _RECORD - 24 - 4 else "")
+    return table[:, :24].contiguous().view(torch.int64).tolist(), text
+
+
+def _agree(plan: _Plan, pg: dist.ProcessGroup, src_g: int, ctrl: torch.device, rank: int) -> bool:
+    """Every rank raises the same verdict, before any write. Returns whether some rank judges strict only
+    after the post-hooks (then every rank takes part in that verdict: _strict_after_hooks)."""
+    msg = "\n\t".join(plan.errors)
+    status = _REFUSED if msg else _AFTER_HOOKS if plan.strict_after_hooks else 0
+    heads, text = _gather_records(status, plan.digest, plan.num_keys, msg, pg, ctrl)
     ranks = dist.get_process_group_ranks(pg)
     if msg:
         raise LoadStateDictError(f"load_full_state_dict: no rank loaded anything. {msg}")
     for r, (status, digest, n) in enumerate(heads):
-        if status:
-            text = bytes(table[r, 24:].tolist()).rstrip(b"\0").decode(errors="replace")
-            cut = " [...]" if len(text.encode()) >= _RECORD - 24 - 4 else ""
+        if status == _REFUSED:
             raise LoadStateDictError(f"load_full_state_dict: rank {ranks[r]} refused, so no rank loaded anything. "
-                                     f"{text}{cut}")
+                                     f"{text(r)}")
     src_digest, src_n = heads[src_g][1], heads[src_g][2]
     for r, (_, digest, n) in enumerate(heads):
         if (digest, n) != (src_digest, src_n):
@@ -548,6 +596,23 @@ def _agree(plan: _Plan, pg: dist.ProcessGroup, src_g: int, ctrl: torch.device, r
                 f"load_full_state_dict: rank {ranks[r]} would load {n} keys of the checkpoint and source rank "
                 f"{ranks[src_g]} {src_n} (or the same number of different keys): the models differ, so no rank "
                 f"loaded anything")
+    return any(head[0] == _AFTER_HOOKS for head in heads)
+
+
+def _strict_after_hooks(plan: _Plan, model: nn.Module, strict: bool, pg: dist.ProcessGroup, ctrl: torch.device,
+                        rank: int) -> None:
+    """strict, judged on the keys the post-hooks left, as load_state_dict judges it: every rank raises the
+    same verdict (the tensors are written by then, as load_state_dict has written them when it raises)."""
+    errors = _strict_errors(plan.missing, plan.unexpected) if strict else []
+    msg = ""
+    if errors:
+        msg = "\n\t".join([f"Error(s) in loading state_dict for {type(model).__name__} on rank {rank}:"] + errors)
+    heads, text = _gather_records(_REFUSED if msg else 0, 0, 0, msg, pg, ctrl)
+    ranks = dist.get_process_group_ranks(pg)
+    for r, head in enumerate(heads):
+        if head[0] == _REFUSED:
+            raise LoadStateDictError(f"load_full_state_dict: the tensors were loaded, but after the load's post-hooks "
+                                     f"rank {ranks[r]} still has: {text(r)}")
 
 
 # ---------------------------------------------------------------------------------------------------

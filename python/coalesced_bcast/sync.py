@@ -318,20 +318,29 @@ def module_states(module: nn.Module, include_buffers: bool = True) -> tuple[list
     return [n for n, _ in named], [t for _, t in named]
 
 
-def _module_slots(module: nn.Module, include_buffers: bool) -> tuple[list[dict], list[str], list[torch.Tensor]]:
-    """The dicts that hold them, their keys and the tensors, for every parameter and buffer, tied names
-    kept, in module_states' order: a kept plan checks each dict still holds the same object."""
+def _module_slots(module: nn.Module, include_buffers: bool, *, dedupe: bool = False,
+                  names: Optional[list] = None) -> tuple[list[dict], list[str], list[torch.Tensor]]:
+    """The dicts that hold them, their keys and the tensors, for every parameter and buffer, in
+    module_states' order: a kept plan checks each dict still holds the same object. Tied names are
+    kept unless ``dedupe`` (then as named_parameters(): each module and tensor once). ``names``: a list
+    to append each dotted name to, for callers that want names up front rather than on an error."""
     owners: list = []
     keys: list = []
     tensors: list = []
+    seen: set = set()
     for attr in ("_parameters", "_buffers") if include_buffers else ("_parameters",):
-        for _, m in module.named_modules(remove_duplicate=False):
+        for prefix, m in module.named_modules(remove_duplicate=dedupe):
             d = getattr(m, attr)
             for k, t in d.items():
-                if t is not None:
-                    owners.append(d)
-                    keys.append(k)
-                    tensors.append(t)
+                if t is None or (dedupe and id(t) in seen):
+                    continue
+                if dedupe:
+                    seen.add(id(t))
+                if names is not None:
+                    names.append(f"{prefix}.{k}" if prefix else k)
+                owners.append(d)
+                keys.append(k)
+                tensors.append(t)
     return owners, keys, tensors
 
 
