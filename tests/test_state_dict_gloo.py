@@ -601,6 +601,19 @@ def _torch_semantics_body(rank: int, ws: int) -> None:
                 if isinstance(v, torch.Tensor):
                     assert same_bits(mine.state_dict()[k], v), f"{what}, strict={strict}: '{k}' differs"
 
+    # A post-hook that raises on one rank while strict waits for the hooks: every rank raises, none waits.
+    def fail_on_rank_1(module: nn.Module, keys) -> None:
+        if rank == 1:
+            raise RuntimeError("the hook failed")
+        _forgive_aux(module, keys)
+
+    sd = dict(full, **{"aux.extra": torch.ones(3)})
+    try:
+        load_full_state_dict(model_with(fail_on_rank_1), sd if rank == 0 else None, **SMALL)
+        raise AssertionError(f"rank {rank}: no error")
+    except LoadStateDictError as e:
+        assert "rank 1 still has" in str(e) and "the hook failed" in str(e), str(e)
+
 
 def test_load_state_dict_semantics_of_old_checkpoints_none_children_and_get_only_extra_state() -> None:
     """As torch's load_state_dict: batch norm counts filled in for old checkpoints, keys under a child set to

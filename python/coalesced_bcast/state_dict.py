@@ -155,11 +155,17 @@ def load_full_state_dict(
         direct = plan.core.direct_buckets if plan.core is not None else 0
         plan.core = None  # FSDP2's post-hook may re-pad shards: let the engine's references go
         del model_sd, src_tensors
-        for obj, mod in plan.extras:
-            mod.set_extra_state(obj)
-        _run_post_hooks(model, plan.missing, plan.unexpected)  # they may edit the lists, as in load_state_dict
+        hook_error = None
+        try:
+            for obj, mod in plan.extras:
+                mod.set_extra_state(obj)
+            _run_post_hooks(model, plan.missing, plan.unexpected)  # they may edit the lists, as in load_state_dict
+        except Exception as e:
+            if not strict_after_hooks:
+                raise
+            hook_error = e  # the others wait for this rank's verdict below: it must reach them
         if strict_after_hooks:
-            _strict_after_hooks(plan, model, strict, pg, ctrl, rank)
+            _strict_after_hooks(plan, model, strict, pg, ctrl, rank, hook_error)
     stats = LoadStats(
         keys=plan.num_keys, tensors=tensors, bytes=nbytes, buckets=buckets,
         cast_keys=plan.cast_keys, missing_keys=tuple(plan.missing), unexpected_keys=tuple(plan.unexpected),
@@ -600,10 +606,13 @@ def _agree(plan: _Plan, pg: dist.ProcessGroup, src_g: int, ctrl: torch.device, r
 
 
 def _strict_after_hooks(plan: _Plan, model: nn.Module, strict: bool, pg: dist.ProcessGroup, ctrl: torch.device,
-                        rank: int) -> None:
+                        rank: int, hook_error: Optional[BaseException]) -> None:
     """strict, judged on the keys the post-hooks left, as load_state_dict judges it: every rank raises the
-    same verdict (the tensors are written by then, as load_state_dict has written them when it raises)."""
+    same verdict (the tensors are written by then, as load_state_dict has written them when it raises), also
+    where a rank's set_extra_state or post-hook raised."""
     errors = _strict_errors(plan.missing, plan.unexpected) if strict else []
+    if hook_error is not None:
+        errors = [f"{type(hook_error).__name__} from set_extra_state or a post-hook: {hook_error}"]
     msg = ""
     if errors:
         msg = "\n\t".join([f"Error(s) in loading state_dict for {type(model).__name__} on rank {rank}:"] + errors)
@@ -612,7 +621,7 @@ def _strict_after_hooks(plan: _Plan, model: nn.Module, strict: bool, pg: dist.Pr
     for r, head in enumerate(heads):
         if head[0] == _REFUSED:
             raise LoadStateDictError(f"load_full_state_dict: the tensors were loaded, but after the load's post-hooks "
-                                     f"rank {ranks[r]} still has: {text(r)}")
+                                     f"rank {ranks[r]} still has: {text(r)}") from hook_error
 
 
 # ---------------------------------------------------------------------------------------------------
