@@ -1,6 +1,6 @@
 """The CUDA kernels and the host stage on one GPU (a group of one rank over NCCL): a load whose
 checkpoint mixes GPU, pinned and pageable tensors in the same buckets (runs packed on the device,
-copied straight from pinned memory and staged by threads), strided sources, a transposed destination
+copied straight from pinned memory and staged by threads), strided and expanded sources, a transposed destination
 (the scatter kernel's boxed path) and casts, bitwise against torch's own CUDA copy_.
 
 Skipped without a GPU; bench/device_run.sh runs it (gputest).
@@ -27,6 +27,9 @@ def _mixed_body(rank, world_size, pinned_only=False):
         t = torch.empty(shape, dtype=torch.bfloat16 if i % 4 else torch.float32)
         t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
         full[f"p{i}"] = t
+    expanded = ("p8", "p9", "p10")  # stride-0 views (as torch.save keeps expand()ed tensors): GPU, pinned, pageable
+    for k in expanded:
+        full[k] = full[k][:1].expand(full[k].shape)
     kinds = [lambda v: v.to(dev), lambda v: v.pin_memory(), lambda v: v,
              lambda v: v.t().contiguous().t() if v.dim() == 2 else v]  # device, pinned, pageable, strided
     strided_pinned = {"p2"}  # 131 KB, read element by element by the copy kernel
@@ -41,6 +44,7 @@ def _mixed_body(rank, world_size, pinned_only=False):
                 p = torch.full(v.shape[::-1], -1.0, dtype=dtype, device=dev).t()
             model.register_parameter(k, nn.Parameter(p))
         sd = {k: kinds[i % len(kinds)](v) for i, (k, v) in enumerate(full.items())}
+        sd.update({k: sd[k][:1].expand(full[k].shape) for k in expanded})
         if pinned_only:
             sd.update({k: full[k].t().contiguous().t().pin_memory() for k in strided_pinned})
             assert all(v.is_pinned() for v in sd.values()) and not sd["p2"].is_contiguous()

@@ -24,7 +24,7 @@ from dist_utils import run_ranks
 from zoo import bits, fill_random_bytes, same_bits
 
 import coalesced_bcast
-from coalesced_bcast.state_dict import LoadStateDictError, load_full_state_dict
+from coalesced_bcast.state_dict import LoadStateDictError, _fsdp_param_of, _idle_fsdp_hooks, load_full_state_dict
 
 SMALL = dict(bucket_bytes=4096)  # most tensors span several buckets
 
@@ -305,6 +305,24 @@ def check_fsdp2(rank: int, ws: int) -> None:
     ref = reference(Net, sd, vocab=vocab)
     assert_same_as_reference(model, ref, "fsdp2")
     assert stats.ring_bytes == coalesced_bcast.DEFAULT_RING_DEPTH * 4096
+    # FSDP2's post-hooks (one per parameter, re-padding a replaced shard) would do nothing after an in-place
+    # load: every one is passed over.
+    hooks = [h for m in model.modules() for h in m._load_state_dict_post_hooks.values()]
+    assert len(hooks) == len(list(model.parameters())) and len(_idle_fsdp_hooks(model)) == len(hooks)
+    # A parameter replaced since fully_shard (a new DTensor, its shard not in FSDP2's padded storage): its
+    # hook runs, so FSDP2 takes the new parameter and re-pads its shard, holding the loaded values.
+    w = model.l1.weight
+    model.l1.weight = nn.Parameter(DTensor.from_local(torch.empty_like(w._local_tensor), mesh, [Shard(0)],
+                                                      run_check=False, shape=w.shape, stride=w.stride()))
+    (fp,) = [f for f in map(_fsdp_param_of, model.l1._load_state_dict_post_hooks.values())
+             if f is not None and f._module_info.param_name == "weight"]
+    assert fp.sharded_param is w
+    assert len(_idle_fsdp_hooks(model)) == len(hooks) - 1
+    fill_sentinel(model)
+    load_full_state_dict(model, sd if rank == 0 else None, **SMALL)
+    assert fp.sharded_param is model.l1.weight
+    assert fp._sharded_param_data.data_ptr() == model.l1.weight._local_tensor.data_ptr()
+    assert_same_as_reference(model, ref, "fsdp2, a parameter replaced")
     # FSDP2's lazy init re-pads the shards on the first forward: the loaded values must survive it.
     model.train(False)
     model(torch.arange(vocab))
