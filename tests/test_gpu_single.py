@@ -43,7 +43,8 @@ def _mixed_body(rank, world_size, pinned_only=False):
             if k == "p2":  # a transposed destination: written through the boxed path
                 p = torch.full(v.shape[::-1], -1.0, dtype=dtype, device=dev).t()
             model.register_parameter(k, nn.Parameter(p))
-        sd = {k: kinds[i % len(kinds)](v) for i, (k, v) in enumerate(full.items())}
+        # (torch cannot pin or move an expanded tensor as it is: the kinds take its copy, then expand that again)
+        sd = {k: kinds[i % len(kinds)](v.contiguous() if k in expanded else v) for i, (k, v) in enumerate(full.items())}
         sd.update({k: sd[k][:1].expand(full[k].shape) for k in expanded})
         if pinned_only:
             sd.update({k: full[k].t().contiguous().t().pin_memory() for k in strided_pinned})

@@ -24,7 +24,7 @@ from dist_utils import run_ranks
 from zoo import bits, fill_random_bytes, same_bits
 
 import coalesced_bcast
-from coalesced_bcast.state_dict import LoadStateDictError, _fsdp_param_of, _idle_fsdp_hooks, load_full_state_dict
+from coalesced_bcast.state_dict import LoadStateDictError, _idle_fsdp_hooks, load_full_state_dict
 
 SMALL = dict(bucket_bytes=4096)  # most tensors span several buckets
 
@@ -314,8 +314,8 @@ def check_fsdp2(rank: int, ws: int) -> None:
     w = model.l1.weight
     model.l1.weight = nn.Parameter(DTensor.from_local(torch.empty_like(w._local_tensor), mesh, [Shard(0)],
                                                       run_check=False, shape=w.shape, stride=w.stride()))
-    (fp,) = [f for f in map(_fsdp_param_of, model.l1._load_state_dict_post_hooks.values())
-             if f is not None and f._module_info.param_name == "weight"]
+    (fp,) = [f for f in (h.__closure__[0].cell_contents for h in model.l1._load_state_dict_post_hooks.values())
+             if f._module_info.param_name == "weight"]  # the FSDPParam its hook re-pads
     assert fp.sharded_param is w
     assert len(_idle_fsdp_hooks(model)) == len(hooks) - 1
     fill_sentinel(model)

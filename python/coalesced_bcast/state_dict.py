@@ -665,33 +665,33 @@ def _run_post_hooks(model: nn.Module, missing: list[str], unexpected: list[str])
     visit(model)
 
 
-def _fsdp_param_of(hook: Any) -> Any:
-    """The FSDPParam whose reset_sharded_param an FSDP2 post-hook calls (a lambda over it), or None."""
-    if not (getattr(hook, "__module__", None) or "").startswith("torch.distributed.fsdp"):
-        return None
-    for cell in getattr(hook, "__closure__", None) or ():
-        obj = cell.cell_contents
-        if type(obj).__name__ == "FSDPParam" and hasattr(obj, "reset_sharded_param"):
-            return obj
-    return None
-
-
 def _idle_fsdp_hooks(model: nn.Module) -> set[int]:
     """The ids of FSDP2's post-hooks that would do nothing after this load. FSDP2 registers one per parameter
-    to re-pad a local shard that `assign` or `_apply` replaced; this load wrote in place, so where the module
-    still holds the FSDPParam's parameter, its local shard still starts the padded storage FSDP2 keeps and
-    is pinned if FSDP2 pins, the hook has nothing to do (recent torch checks as much itself; older releases
-    copy the shard into a fresh padded one of the same values). At 16k parameters the hooks took 75 ms of a
-    load on an H200's host. Any hook this cannot read as such runs."""
+    (a lambda over its FSDPParam, calling reset_sharded_param) to re-pad a local shard that `assign` or
+    `_apply` replaced; this load wrote in place, so where the module still holds the FSDPParam's parameter,
+    its local shard still starts the padded storage FSDP2 keeps and is pinned if FSDP2 pins, the hook has
+    nothing to do (recent torch checks as much itself; older releases copy the shard into a fresh padded one
+    of the same values). Any hook this cannot read as such runs. COALESCED_BCAST_RUN_ALL_POST_HOOKS=1 runs
+    them all (the bench's A/B switch)."""
     idle: set[int] = set()
+    if os.environ.get("COALESCED_BCAST_RUN_ALL_POST_HOOKS") == "1":
+        return idle
     for m in model.modules():
-        for hook in m._load_state_dict_post_hooks.values():
-            fp = _fsdp_param_of(hook)
-            if fp is None:
+        hooks = m._load_state_dict_post_hooks
+        if not hooks:
+            continue
+        params = m._parameters
+        for hook in hooks.values():
+            # Attribute reads only, as few as can prove it: at 16k parameters each costs ~2 ms.
+            closure = getattr(hook, "__closure__", None)
+            if not closure or not (getattr(hook, "__module__", None) or "").endswith("._fsdp_param"):
                 continue
-            try:  # attribute reads only: at 16k parameters each read costs ~2 ms
+            fp = closure[0].cell_contents
+            if type(fp).__name__ != "FSDPParam":
+                continue
+            try:
                 info, param = fp._module_info, fp.sharded_param
-                if info.module._parameters.get(info.param_name) is not param:
+                if info.module is not m or params.get(info.param_name) is not param:
                     continue
                 data = fp._sharded_param_data
                 local = param._local_tensor
