@@ -419,7 +419,8 @@ class RefitSender:
 class RefitBatch(list):
     """One bucket's weights, as ``(name, tensor)`` pairs of views into the ring slot: valid only during the
     callback (copy what you keep). A tensor larger than a bucket comes in pieces instead, listed in
-    ``pieces`` as ``(name, flat_view, first_element, full_shape)``, in order, one or more per bucket."""
+    ``pieces`` as ``(name, flat_view, first_element, full_shape)``, in order, one or more per bucket.
+    Zero-element tensors, which no bucket holds, come in one last batch as empty tensors of their shape."""
 
     def __init__(self, pairs: list, pieces: list):
         super().__init__(pairs)
