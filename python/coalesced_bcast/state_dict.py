@@ -502,7 +502,10 @@ def _dtype_of_code(code: int) -> torch.dtype:
     """The dtype whose c10::ScalarType number is `code` (_dtype_code's inverse)."""
     if not _DTYPES:  # every dtype torch names, once
         for d in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:
-            _DTYPES[_dtype_code(d)] = d
+            try:
+                _DTYPES[_dtype_code(d)] = d
+            except (TypeError, RuntimeError):  # a dtype this torch names but cannot convert
+                pass
     dtype = _DTYPES.get(code)
     if dtype is None:
         raise ValueError(f"no torch dtype has scalar type number {code}")
