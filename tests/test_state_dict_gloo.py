@@ -24,7 +24,7 @@ from dist_utils import run_ranks
 from zoo import bits, fill_random_bytes, same_bits
 
 import coalesced_bcast
-from coalesced_bcast.state_dict import LoadStateDictError, _idle_fsdp_hooks, load_full_state_dict
+from coalesced_bcast.state_dict import LoadStateDictError, _idle_fsdp_hook, load_full_state_dict
 
 SMALL = dict(bucket_bytes=4096)  # most tensors span several buckets
 
@@ -307,8 +307,8 @@ def check_fsdp2(rank: int, ws: int) -> None:
     assert stats.ring_bytes == coalesced_bcast.DEFAULT_RING_DEPTH * 4096
     # FSDP2's post-hooks (one per parameter, re-padding a replaced shard) would do nothing after an in-place
     # load: every one is passed over.
-    hooks = [h for m in model.modules() for h in m._load_state_dict_post_hooks.values()]
-    assert len(hooks) == len(list(model.parameters())) and len(_idle_fsdp_hooks(model)) == len(hooks)
+    hooks = [(m, h) for m in model.modules() for h in m._load_state_dict_post_hooks.values()]
+    assert len(hooks) == len(list(model.parameters())) and all(_idle_fsdp_hook(m, h) for m, h in hooks)
     # A parameter replaced since fully_shard (a new DTensor, its shard not in FSDP2's padded storage): its
     # hook runs, so FSDP2 takes the new parameter and re-pads its shard, holding the loaded values.
     w = model.l1.weight
@@ -317,7 +317,7 @@ def check_fsdp2(rank: int, ws: int) -> None:
     (fp,) = [f for f in (h.__closure__[0].cell_contents for h in model.l1._load_state_dict_post_hooks.values())
              if f._module_info.param_name == "weight"]  # the FSDPParam its hook re-pads
     assert fp.sharded_param is w
-    assert len(_idle_fsdp_hooks(model)) == len(hooks) - 1
+    assert sum(_idle_fsdp_hook(m, h) for m, h in hooks) == len(hooks) - 1
     fill_sentinel(model)
     load_full_state_dict(model, sd if rank == 0 else None, **SMALL)
     assert fp.sharded_param is model.l1.weight

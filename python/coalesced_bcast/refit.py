@@ -508,9 +508,10 @@ class RefitReceiver:
         self._views = _C.SlotViews(units, self._rows, mapped)
         # Zero-element tensors have no bytes in any bucket: the callback gets them as one last batch of
         # empty tensors, so that an engine's load_weights sees every name it is sent.
-        self._empty = [(key, tuple(units[i, 2:2 + int(units[i, 1])].tolist()), _dtype_of_code(int(units[i, 0])))
-                       for i, key in enumerate(mapped) if key is not None
-                       and any(int(d) == 0 for d in units[i, 2:2 + int(units[i, 1])].tolist())]
+        dims = units[:, 2:]
+        zero = ((dims == 0) & (torch.arange(dims.shape[1]) < units[:, 1:2])).any(1)  # one pass, not one per tensor
+        self._empty = [(mapped[i], tuple(units[i, 2:2 + int(units[i, 1])].tolist()), _dtype_of_code(int(units[i, 0])))
+                       for i in zero.nonzero().flatten().tolist() if mapped[i] is not None]
         self.digest = meta["digest"]
         return None
 

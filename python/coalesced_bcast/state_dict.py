@@ -650,9 +650,10 @@ def _transfer(plan: _Plan, pg: dist.ProcessGroup, src_g: int, is_src: bool, time
 
 
 def _run_post_hooks(model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
-    """load_state_dict's post-hooks, in its order (children first), but for FSDP2's that would do nothing."""
+    """load_state_dict's post-hooks, in its order (children first), but for FSDP2's that would do nothing,
+    each judged when its turn comes (an earlier hook may have replaced its parameter)."""
     from torch.nn.modules.module import _IncompatibleKeys
-    idle = _idle_fsdp_hooks(model)
+    run_all = os.environ.get("COALESCED_BCAST_RUN_ALL_POST_HOOKS") == "1"  # the bench's A/B switch
 
     def visit(m: nn.Module) -> None:
         for child in m._modules.values():
@@ -662,47 +663,34 @@ def _run_post_hooks(model: nn.Module, missing: list[str], unexpected: list[str])
         if hooks:
             keys = _IncompatibleKeys(missing, unexpected)
             for hook in hooks.values():
-                if id(hook) not in idle:
+                if run_all or not _idle_fsdp_hook(m, hook):
                     hook(m, keys)
 
     visit(model)
 
 
-def _idle_fsdp_hooks(model: nn.Module) -> set[int]:
-    """The ids of FSDP2's post-hooks that would do nothing after this load. FSDP2 registers one per parameter
-    (a lambda over its FSDPParam, calling reset_sharded_param) to re-pad a local shard that `assign` or
-    `_apply` replaced; this load wrote in place, so where the module still holds the FSDPParam's parameter,
-    its local shard still starts the padded storage FSDP2 keeps and is pinned if FSDP2 pins, the hook has
-    nothing to do (recent torch checks as much itself; older releases copy the shard into a fresh padded one
-    of the same values). Any hook this cannot read as such runs. COALESCED_BCAST_RUN_ALL_POST_HOOKS=1 runs
-    them all (the bench's A/B switch)."""
-    idle: set[int] = set()
-    if os.environ.get("COALESCED_BCAST_RUN_ALL_POST_HOOKS") == "1":
-        return idle
-    for m in model.modules():
-        hooks = m._load_state_dict_post_hooks
-        if not hooks:
-            continue
-        params = m._parameters
-        for hook in hooks.values():
-            # Attribute reads only, as few as can prove it: at 16k parameters each costs ~2 ms.
-            closure = getattr(hook, "__closure__", None)
-            if not closure or not (getattr(hook, "__module__", None) or "").endswith("._fsdp_param"):
-                continue
-            fp = closure[0].cell_contents
-            if type(fp).__name__ != "FSDPParam":
-                continue
-            try:
-                info, param = fp._module_info, fp.sharded_param
-                if info.module is not m or params.get(info.param_name) is not param:
-                    continue
-                data = fp._sharded_param_data
-                local = param._local_tensor
-                ptr = local.data_ptr()
-                if type(data) is not torch.Tensor or ptr == 0 or ptr != data.data_ptr() or (
-                        fp.pin_memory and not local.is_pinned()):
-                    continue
-            except (AttributeError, RuntimeError):
-                continue
-            idle.add(id(hook))
-    return idle
+def _idle_fsdp_hook(m: nn.Module, hook: Any) -> bool:
+    """Whether `hook`, registered on `m`, is FSDP2's and would do nothing after this load. FSDP2 registers
+    one per parameter (a lambda over its FSDPParam, calling reset_sharded_param) to re-pad a local shard
+    that `assign` or `_apply` replaced; this load wrote in place, so where the module still holds the
+    FSDPParam's parameter, its local shard still starts the padded storage FSDP2 keeps and is pinned if
+    FSDP2 pins, the hook has nothing to do (recent torch checks as much itself; older releases copy the
+    shard into a fresh padded one of the same values). A hook this cannot read as such is not idle."""
+    # Attribute reads only, as few as can prove it: at 16k parameters each costs ~2 ms.
+    closure = getattr(hook, "__closure__", None)
+    if not closure or not (getattr(hook, "__module__", None) or "").endswith("._fsdp_param"):
+        return False
+    fp = closure[0].cell_contents
+    if type(fp).__name__ != "FSDPParam":
+        return False
+    try:
+        info, param = fp._module_info, fp.sharded_param
+        if info.module is not m or m._parameters.get(info.param_name) is not param:
+            return False
+        data = fp._sharded_param_data
+        local = param._local_tensor
+        ptr = local.data_ptr()
+        return (type(data) is torch.Tensor and ptr != 0 and ptr == data.data_ptr()
+                and not (fp.pin_memory and not local.is_pinned()))
+    except (AttributeError, RuntimeError):
+        return False
