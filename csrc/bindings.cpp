@@ -9,6 +9,7 @@
 #include "host_wait.h"
 #include "load_dests.h"
 #include "pipeline.h"
+#include "post_hooks.h"
 #include "refit_views.h"
 #include "plan.h"
 #include "units.h"
@@ -281,6 +282,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("key_mark") = kKeyMark;
   m.def("model_devices", &model_devices, py::arg("values"), py::arg("dtensor_type"),
         "The distinct devices of the tensors (DTensors: local tensors) with elements, and the first on meta (-1)");
+  m.def("idle_fsdp_hook", &idle_fsdp_hook, py::arg("module"), py::arg("hook"),
+        "Whether a load_state_dict post-hook is FSDP2's and would do nothing after an in-place load "
+        "(csrc/post_hooks.h)");
+  m.def("post_hooks_idle", &post_hooks_idle, py::arg("model"),
+        "Whether every load_state_dict post-hook of the model and its children is idle_fsdp_hook");
   m.def("describe_tensors", &describe_tensors, py::arg("tensors"), py::arg("device"),
         "A load source's tensors: (table int64 [n, 2 + 8] of dtype, ndim, sizes; canonical index of each; "
         "[(index, why)] for those that cannot be sent)");

@@ -309,6 +309,11 @@ def check_fsdp2(rank: int, ws: int) -> None:
     # load: every one is passed over.
     hooks = [(m, h) for m in model.modules() for h in m._load_state_dict_post_hooks.values()]
     assert len(hooks) == len(list(model.parameters())) and all(_idle_fsdp_hook(m, h) for m, h in hooks)
+    assert coalesced_bcast._C.post_hooks_idle(model)  # the one C++ walk that passes over them all
+    handle = model.l2.register_load_state_dict_post_hook(lambda m, keys: None)  # not FSDP2's: must run
+    assert not coalesced_bcast._C.post_hooks_idle(model)
+    handle.remove()
+    assert coalesced_bcast._C.post_hooks_idle(model)
     # A parameter replaced since fully_shard (a new DTensor, its shard not in FSDP2's padded storage): its
     # hook runs, so FSDP2 takes the new parameter and re-pads its shard, holding the loaded values.
     w = model.l1.weight
@@ -318,6 +323,7 @@ def check_fsdp2(rank: int, ws: int) -> None:
              if f._module_info.param_name == "weight"]  # the FSDPParam its hook re-pads
     assert fp.sharded_param is w
     assert sum(_idle_fsdp_hook(m, h) for m, h in hooks) == len(hooks) - 1
+    assert not coalesced_bcast._C.post_hooks_idle(model)
     fill_sentinel(model)
     load_full_state_dict(model, sd if rank == 0 else None, **SMALL)
     assert fp.sharded_param is model.l1.weight

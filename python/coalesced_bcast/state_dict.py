@@ -129,10 +129,10 @@ def load_full_state_dict(
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     with torch.no_grad():
-        model_sd, extra_mods, error = None, {}, None
+        model_sd, extra_mods, owned, error = None, {}, set(), None
         try:
             model_sd = model.state_dict(keep_vars=True)  # FSDP2's pre-hook reshards first
-            extra_mods = _extra_state_modules(model)
+            extra_mods, owned = _walk_modules(model)
             device = _model_device(model_sd, extra_mods, pg)
         except Exception as e:  # reported through the agreement below, so no rank is left waiting
             error, device = f"{type(e).__name__}: {e}", ctrl
@@ -147,8 +147,8 @@ def load_full_state_dict(
         if meta["fatal"]:
             raise LoadStateDictError(f"load_full_state_dict: source rank {src} refused, so no rank loaded "
                                      f"anything: {meta['fatal']}")
-        plan = _plan_local(model, model_sd, extra_mods, meta, src_tensors, strict, device, rank, error or unreadable,
-                           bucket_bytes, ring_depth, copy_threads if is_src else 1)
+        plan = _plan_local(model, model_sd, extra_mods, owned, meta, src_tensors, strict, device, rank,
+                           error or unreadable, bucket_bytes, ring_depth, copy_threads if is_src else 1)
         strict_after_hooks = _agree(plan, pg, src_g, ctrl, rank)
         buckets = _transfer(plan, pg, src_g, is_src, timeout, progress_seconds, t0)
         tensors, nbytes = plan.tensors, plan.total
@@ -189,19 +189,25 @@ def _control_device(pg: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def _extra_state_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """State-dict keys that hold a module's extra state, walked the way state_dict() walks."""
-    out: dict[str, nn.Module] = {}
+def _walk_modules(model: nn.Module) -> tuple[dict[str, nn.Module], set[int]]:
+    """One walk the way state_dict() walks: the state-dict keys that hold a module's extra state, and the ids
+    of the model's own parameters and buffers (state_dict(keep_vars=True) returns those objects themselves,
+    unless a hook copied one)."""
+    extra: dict[str, nn.Module] = {}
+    owned: set[int] = set()
+    base = nn.Module.get_extra_state
 
     def walk(m: nn.Module, prefix: str) -> None:
-        if type(m).get_extra_state is not nn.Module.get_extra_state:
-            out[prefix + _EXTRA] = m
+        owned.update(map(id, m._parameters.values()))
+        owned.update(map(id, m._buffers.values()))
+        if type(m).get_extra_state is not base:
+            extra[prefix + _EXTRA] = m
         for name, child in m._modules.items():
             if child is not None:
                 walk(child, prefix + name + ".")
 
     walk(model, "")
-    return out
+    return extra, owned
 
 
 def _model_device(model_sd: Mapping[str, Any], extra: Mapping[str, nn.Module],
@@ -368,14 +374,14 @@ class _Plan:
 
 
 def _plan_local(model: nn.Module, model_sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Module],
-                meta: dict, src_tensors: Optional[list], strict: bool, device: torch.device, rank: int,
+                owned: set[int], meta: dict, src_tensors: Optional[list], strict: bool, device: torch.device, rank: int,
                 error: Optional[str], bucket_bytes: int, ring_depth: int, copy_threads: Optional[int]) -> _Plan:
     plan = _Plan()
     try:
         if error is not None:
             plan.errors.append(error)
         else:
-            _plan_keys(plan, model, model_sd, extra, meta, src_tensors, strict, device, rank, bucket_bytes,
+            _plan_keys(plan, model, model_sd, extra, owned, meta, src_tensors, strict, device, rank, bucket_bytes,
                        ring_depth, copy_threads)
     except Exception as e:  # a bug or a refusal of the engine must reach the other ranks, not strand them
         plan.errors.append(f"{type(e).__name__}: {e}")
@@ -384,7 +390,8 @@ def _plan_local(model: nn.Module, model_sd: Optional[Mapping[str, Any]], extra: 
     return plan
 
 
-def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra: Mapping[str, nn.Module], meta: dict,
+def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra: Mapping[str, nn.Module],
+               owned: set[int], meta: dict,
                src_tensors: Optional[list], strict: bool, device: torch.device, rank: int,
                bucket_bytes: int, ring_depth: int, copy_threads: Optional[int]) -> None:
     if (bucket_bytes, ring_depth) != (meta["bucket_bytes"], meta["ring_depth"]):
@@ -412,7 +419,6 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
         plan.strict_after_hooks = True  # as load_state_dict: the hooks may clear them
     elif strict:
         plan.errors += _strict_errors(plan.missing, plan.unexpected)
-    owned = _owned_tensors(model)
     # Key matching here; per value, its checks, unit and box in C++ (csrc/load_dests.h).
     load_keys, values, value_rows, value_keys = [], [], [], []
     matched = False
@@ -531,15 +537,6 @@ def _key_editing_hooks(model: nn.Module) -> bool:
                for m in model.modules() for hook in m._load_state_dict_post_hooks.values())
 
 
-def _owned_tensors(model: nn.Module) -> set[int]:
-    """state_dict(keep_vars=True) returns the registered objects themselves, unless a hook copied one."""
-    owned: set[int] = set()
-    for m in model.modules():  # the modules' own dicts: named_parameters() builds a name per tensor
-        owned.update(map(id, m._parameters.values()))
-        owned.update(map(id, m._buffers.values()))
-    return owned
-
-
 def _dtensor_box(mesh, placements, shape: tuple[int, ...]):
     """(problem, the global offset of this rank's box or None if it holds none, the box's shape), for a
     DTensor on a mesh of other than one dim or one this rank is not in (load_dests does 1-D meshes)."""
@@ -557,10 +554,11 @@ def _dtensor_box(mesh, placements, shape: tuple[int, ...]):
 
 
 def _digest(load_keys: list[str], extra: Mapping[str, nn.Module]) -> int:
-    h = hashlib.blake2b(digest_size=8)
-    for k in load_keys:
-        h.update(k.encode())
-        h.update(b"\1" if k in extra else b"\0")
+    h = hashlib.blake2b(digest_size=8)  # each key, then 1 if it holds extra state else 0: one update
+    if extra:
+        h.update("".join(k + ("\1" if k in extra else "\0") for k in load_keys).encode())
+    elif load_keys:
+        h.update(("\0".join(load_keys) + "\0").encode())
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
@@ -650,10 +648,13 @@ def _transfer(plan: _Plan, pg: dist.ProcessGroup, src_g: int, is_src: bool, time
 
 
 def _run_post_hooks(model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
-    """load_state_dict's post-hooks, in its order (children first), but for FSDP2's that would do nothing,
-    each judged when its turn comes (an earlier hook may have replaced its parameter)."""
+    """load_state_dict's post-hooks, in its order (children first), but for FSDP2's that would do nothing
+    after the in-place writes (csrc/post_hooks.h). Where every hook is such, none runs (one C++ walk);
+    else each is judged when its turn comes (an earlier hook may have replaced its parameter)."""
     from torch.nn.modules.module import _IncompatibleKeys
     run_all = os.environ.get("COALESCED_BCAST_RUN_ALL_POST_HOOKS") == "1"  # the bench's A/B switch
+    if not run_all and _C.post_hooks_idle(model):
+        return
 
     def visit(m: nn.Module) -> None:
         for child in m._modules.values():
@@ -663,34 +664,11 @@ def _run_post_hooks(model: nn.Module, missing: list[str], unexpected: list[str])
         if hooks:
             keys = _IncompatibleKeys(missing, unexpected)
             for hook in hooks.values():
-                if run_all or not _idle_fsdp_hook(m, hook):
+                if run_all or not _C.idle_fsdp_hook(m, hook):
                     hook(m, keys)
 
     visit(model)
 
 
-def _idle_fsdp_hook(m: nn.Module, hook: Any) -> bool:
-    """Whether `hook`, registered on `m`, is FSDP2's and would do nothing after this load. FSDP2 registers
-    one per parameter (a lambda over its FSDPParam, calling reset_sharded_param) to re-pad a local shard
-    that `assign` or `_apply` replaced; this load wrote in place, so where the module still holds the
-    FSDPParam's parameter, its local shard still starts the padded storage FSDP2 keeps and is pinned if
-    FSDP2 pins, the hook has nothing to do (recent torch checks as much itself; older releases copy the
-    shard into a fresh padded one of the same values). A hook this cannot read as such is not idle."""
-    # Attribute reads only, as few as can prove it: at 16k parameters each costs ~2 ms.
-    closure = getattr(hook, "__closure__", None)
-    if not closure or not (getattr(hook, "__module__", None) or "").endswith("._fsdp_param"):
-        return False
-    fp = closure[0].cell_contents
-    if type(fp).__name__ != "FSDPParam":
-        return False
-    try:
-        info, param = fp._module_info, fp.sharded_param
-        if info.module is not m or m._parameters.get(info.param_name) is not param:
-            return False
-        data = fp._sharded_param_data
-        local = param._local_tensor
-        ptr = local.data_ptr()
-        return (type(data) is torch.Tensor and ptr != 0 and ptr == data.data_ptr()
-                and not (fp.pin_memory and not local.is_pinned()))
-    except (AttributeError, RuntimeError):
-        return False
+#: Whether `hook`, registered on a module, is FSDP2's and would do nothing after an in-place load.
+_idle_fsdp_hook = _C.idle_fsdp_hook

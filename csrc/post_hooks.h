@@ -1,0 +1,25 @@
+// post_hooks: which of a model's load_state_dict post-hooks a load that wrote
+// every tensor in place may pass over. Python runs the others, in
+// load_state_dict's order (state_dict.py _run_post_hooks).
+#pragma once
+
+#include <torch/extension.h>
+
+namespace coalesced_bcast {
+
+namespace py = pybind11;
+
+// Whether `hook`, registered on `module`, is FSDP2's and would do nothing after
+// an in-place load: a function of fsdp's _fsdp_param module over an FSDPParam
+// (it calls reset_sharded_param, which re-pads a local shard that `assign` or
+// `_apply` replaced) where the module still holds that FSDPParam's parameter,
+// whose local shard still starts FSDP2's padded storage and is pinned where
+// FSDP2 pins. Anything it cannot read as such is not idle.
+bool idle_fsdp_hook(const py::handle& module, const py::handle& hook);
+
+// Whether every post-hook of `model` and its children (each module as often as
+// load_state_dict visits it) is idle_fsdp_hook: then none needs to run, and
+// running none changes nothing a later judgment would read.
+bool post_hooks_idle(const py::handle& model);
+
+}  // namespace coalesced_bcast
