@@ -92,26 +92,28 @@ struct ValueFacts {
   py::object first;
 };
 
-constexpr int64_t kAhead = 8;
+// Values are read kGroup at a time, each group's chain one hop per pass (below).
+constexpr int64_t kGroup = 16;
 
 inline void prefetch_object(const PyObject* o) {
   const auto* p = reinterpret_cast<const char*>(o);
   __builtin_prefetch(p - 32);  // a Python subclass's managed dict and values pointers precede the object
   __builtin_prefetch(p);
   __builtin_prefetch(p + 64);
+  __builtin_prefetch(p + 128);  // a Tensor subclass's slots (a DTensor's _local_tensor, _spec) follow its THPVariable
 }
 
-// Each value's objects, one hop of the chain per stage over all values
-// (value -> spec -> placements -> placements[0]): a stage knows the objects
-// its next values will read and prefetches them, where one pass down each
-// value's chain in turn waits on each hop's cache miss (at 16k values, cold,
-// most of a load's model-side time).
-std::vector<ValueFacts> gather(const py::list& values, const py::set* owned_ids, const py::handle& dtensor_type,
-                               bool whole_chain) {
-  const auto n = static_cast<int64_t>(values.size());
-  std::vector<ValueFacts> facts(n);
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) prefetch_object(PyList_GET_ITEM(values.ptr(), i + kAhead));
+// The facts of values [begin, end), a group of at most kGroup: one hop of the
+// chain per pass over the group (value -> spec -> placements ->
+// placements[0]), each pass prefetching what the next reads, so that the
+// group's cache misses overlap (at 16k values, cold, one value's chain at a
+// time waits on memory at every hop). Passes over all values at once do not
+// help: by a pass's end the first values' objects are out of the cache again
+// (post_hooks.cpp measured both).
+void gather(const py::list& values, int64_t begin, int64_t end, const py::set* owned_ids,
+            const py::handle& dtensor_type, bool whole_chain, std::vector<ValueFacts>& facts) {
+  for (int64_t i = begin; i < end; ++i) prefetch_object(PyList_GET_ITEM(values.ptr(), i));
+  for (int64_t i = begin; i < end; ++i) {
     PyObject* v = PyList_GET_ITEM(values.ptr(), i);
     auto& f = facts[i];
     f.tensor = THPVariable_Check(v);
@@ -125,43 +127,43 @@ std::vector<ValueFacts> gather(const py::list& values, const py::set* owned_ids,
     f.dtensor = is_dtensor == 1;
     if (!f.dtensor) continue;
     f.local = attr(v, "_local_tensor");
-    if (whole_chain) f.spec = attr(v, "_spec");
+    prefetch_object(f.local.ptr());
+    if (whole_chain) {
+      f.spec = attr(v, "_spec");
+      prefetch_object(f.spec.ptr());
+    }
   }
-  if (!whole_chain) return facts;
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n && facts[i + kAhead].spec) prefetch_object(facts[i + kAhead].spec.ptr());
+  if (!whole_chain) return;
+  for (int64_t i = begin; i < end; ++i) {
     auto& f = facts[i];
     if (!f.spec) continue;
     f.mesh = attr(f.spec, "mesh");
     f.placements = attr(f.spec, "placements");
+    __builtin_prefetch(f.placements.ptr());
+    __builtin_prefetch(reinterpret_cast<const char*>(f.placements.ptr()) + 64);
   }
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + 2 * kAhead < n && facts[i + 2 * kAhead].placements) {
-      __builtin_prefetch(facts[i + 2 * kAhead].placements.ptr());
-    }
-    if (i + kAhead < n) {
-      PyObject* p = facts[i + kAhead].placements.ptr();
-      if (p != nullptr && PyTuple_Check(p) && PyTuple_GET_SIZE(p) > 0) prefetch_object(PyTuple_GET_ITEM(p, 0));
-    }
+  for (int64_t i = begin; i < end; ++i) {
     auto& f = facts[i];
     PyObject* p = f.placements.ptr();
     if (p != nullptr && PyTuple_Check(p) && PyTuple_GET_SIZE(p) > 0) {
       f.first = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(p, 0));
+      prefetch_object(f.first.ptr());
     }
   }
-  return facts;
 }
 
-// The TensorImpls of the value a few ahead (a DTensor's and its local
+// The TensorImpls of values [begin, end) (a DTensor's and its local
 // tensor's): their sizes, dtype and device are read next.
-inline void prefetch_impls(const py::list& values, const std::vector<ValueFacts>& facts, int64_t i) {
-  const auto n = static_cast<int64_t>(facts.size());
-  if (i + kAhead >= n || !facts[i + kAhead].tensor) return;
+inline void prefetch_impls(const py::list& values, const std::vector<ValueFacts>& facts, int64_t begin,
+                           int64_t end) {
   auto impl = [](PyObject* o) {
     if (o != nullptr && THPVariable_Check(o)) prefetch_impl(THPVariable_Unpack(o).unsafeGetTensorImpl());
   };
-  impl(PyList_GET_ITEM(values.ptr(), i + kAhead));
-  if (facts[i + kAhead].dtensor) impl(facts[i + kAhead].local.ptr());
+  for (int64_t i = begin; i < end; ++i) {
+    if (!facts[i].tensor) continue;
+    impl(PyList_GET_ITEM(values.ptr(), i));
+    if (facts[i].dtensor) impl(facts[i].local.ptr());
+  }
 }
 
 }  // namespace
@@ -206,117 +208,121 @@ py::tuple load_dests(
   auto problem = [&](int64_t i, const std::string& msg) { problems.append(py::make_tuple(i, msg)); };
   const std::string key = std::string("\"") + kKeyMark + "\"";
 
-  const auto facts = gather(values, &owned_ids, dtensor_type, /*whole_chain=*/true);
-  for (int64_t i = 0; i < n; ++i) {
-    prefetch_impls(values, facts, i);
-    PyObject* v = PyList_GET_ITEM(values.ptr(), i);
-    const auto& vf = facts[i];
-    const int64_t j = row_of[i];
-    TORCH_CHECK_VALUE(j >= 0 && j < R, "row ", j, " of value ", i, " is not in the table of ", R);
-    const int64_t* row = tab + j * kWidth;
-    const int64_t nd = row[1];
-    if (!vf.owned) {
-      problem(i, key + ": the model's state_dict() value is not one of its parameters or buffers (a state_dict "
-                     "hook made a copy?), so it cannot be loaded in place.");
-      continue;
-    }
-    const at::Tensor& t = THPVariable_Unpack(v);  // a DTensor: its global shape and dtype
-    const auto sizes = t.sizes();
-    bool same_shape = static_cast<int64_t>(sizes.size()) == nd;
-    for (int64_t d = 0; same_shape && d < nd; ++d) same_shape = sizes[d] == row[2 + d];
-    if (!same_shape) {
-      std::ostringstream s;
-      s << "size mismatch for " << kKeyMark << ": copying a param with shape torch.Size([";
-      for (int64_t d = 0; d < nd; ++d) s << (d ? ", " : "") << row[2 + d];
-      s << "]) from checkpoint, the shape in current model is torch.Size([";
-      for (size_t d = 0; d < sizes.size(); ++d) s << (d ? ", " : "") << sizes[d];
-      s << "]).";
-      problem(i, s.str());
-      continue;
-    }
-    const auto theirs = static_cast<c10::ScalarType>(row[0]);
-    if (t.scalar_type() != theirs) {
-      if (!castable(t.scalar_type()) || !castable(theirs)) {
-        problem(i, key + ": the checkpoint holds " + c10::toString(theirs) + ", the model " +
-                       c10::toString(t.scalar_type()) + "; only real dtypes and bool are cast, complex and float8 "
-                       "must match.");
+  std::vector<ValueFacts> facts(n);
+  for (int64_t g0 = 0; g0 < n; g0 += kGroup) {
+    const int64_t g1 = std::min(n, g0 + kGroup);
+    gather(values, g0, g1, &owned_ids, dtensor_type, /*whole_chain=*/true, facts);
+    prefetch_impls(values, facts, g0, g1);
+    for (int64_t i = g0; i < g1; ++i) {
+      PyObject* v = PyList_GET_ITEM(values.ptr(), i);
+      const auto& vf = facts[i];
+      const int64_t j = row_of[i];
+      TORCH_CHECK_VALUE(j >= 0 && j < R, "row ", j, " of value ", i, " is not in the table of ", R);
+      const int64_t* row = tab + j * kWidth;
+      const int64_t nd = row[1];
+      if (!vf.owned) {
+        problem(i, key + ": the model's state_dict() value is not one of its parameters or buffers (a state_dict "
+                       "hook made a copy?), so it cannot be loaded in place.");
         continue;
       }
-      ++cast_keys;
-    }
-    const int64_t c = canon[j];
-    TORCH_CHECK_VALUE(c >= 0 && c < R, "canonical row ", c, " of row ", j, " is not in the table of ", R);
-    if (unit_of_row[c] < 0) {
-      unit_of_row[c] = static_cast<int64_t>(unit_rows.size());
-      unit_rows.push_back(c);
-    }
+      const at::Tensor& t = THPVariable_Unpack(v);  // a DTensor: its global shape and dtype
+      const auto sizes = t.sizes();
+      bool same_shape = static_cast<int64_t>(sizes.size()) == nd;
+      for (int64_t d = 0; same_shape && d < nd; ++d) same_shape = sizes[d] == row[2 + d];
+      if (!same_shape) {
+        std::ostringstream s;
+        s << "size mismatch for " << kKeyMark << ": copying a param with shape torch.Size([";
+        for (int64_t d = 0; d < nd; ++d) s << (d ? ", " : "") << row[2 + d];
+        s << "]) from checkpoint, the shape in current model is torch.Size([";
+        for (size_t d = 0; d < sizes.size(); ++d) s << (d ? ", " : "") << sizes[d];
+        s << "]).";
+        problem(i, s.str());
+        continue;
+      }
+      const auto theirs = static_cast<c10::ScalarType>(row[0]);
+      if (t.scalar_type() != theirs) {
+        if (!castable(t.scalar_type()) || !castable(theirs)) {
+          problem(i, key + ": the checkpoint holds " + c10::toString(theirs) + ", the model " +
+                         c10::toString(t.scalar_type()) + "; only real dtypes and bool are cast, complex and float8 "
+                         "must match.");
+          continue;
+        }
+        ++cast_keys;
+      }
+      const int64_t c = canon[j];
+      TORCH_CHECK_VALUE(c >= 0 && c < R, "canonical row ", c, " of row ", j, " is not in the table of ", R);
+      if (unit_of_row[c] < 0) {
+        unit_of_row[c] = static_cast<int64_t>(unit_rows.size());
+        unit_rows.push_back(c);
+      }
 
-    // This rank's local tensor and the global offset of the box it holds.
-    std::array<int64_t, 1 + kMaxDims> m{};
-    m[0] = unit_of_row[c];
-    at::Tensor local = t;
-    std::array<int64_t, kMaxDims> shape_buf{};
-    std::copy(sizes.begin(), sizes.end(), shape_buf.begin());
-    c10::IntArrayRef local_shape(shape_buf.data(), sizes.size());
-    if (vf.dtensor) {
-      const py::object& local_obj = vf.local;
-      const py::object& mesh = vf.mesh;
-      const py::object& placements = vf.placements;
-      TORCH_CHECK_TYPE(THPVariable_Check(local_obj.ptr()), "the local tensor of value ", i, " is a ",
-                       py_str(py::type::of(local_obj)));
-      local = THPVariable_Unpack(local_obj.ptr());
-      auto found = facts_of.find(mesh.ptr());
-      if (found == facts_of.end()) {  // once per mesh: DeviceMesh's own calls cost microseconds each
-        auto f = mesh_facts(mesh).cast<std::tuple<bool, int64_t, int64_t, int64_t>>();
-        found = facts_of.emplace(mesh.ptr(), MeshFacts{std::get<0>(f), std::get<1>(f), std::get<2>(f),
-                                                       std::get<3>(f)}).first;
-      }
-      const auto& f = found->second;
-      if (f.ndim == 1 && f.member) {
-        py::object p = vf.first ? vf.first : py::object(placements[py::int_(0)]);
-        if (p.get_type().is(shard_type)) {  // torch.chunk's split, as DTensor's Shard: ceil-sized chunks, empty tails
-          TORCH_CHECK_VALUE(nd > 0, "value ", i, " is a 0-dim DTensor placed ", py_str(p));
-          const int64_t d = ((attr(p, "dim").cast<int64_t>() % nd) + nd) % nd;
-          const int64_t len = row[2 + d];
-          const int64_t chunk = (len + f.size - 1) / f.size;
-          const int64_t lo = std::min(f.coord * chunk, len);
-          m[1 + d] = lo;
-          shape_buf[d] = std::min(lo + chunk, len) - lo;
-        } else if (!p.get_type().is(replicate_type)) {
-          problem(i, key + ": placement " + py_str(p) + " is not supported (only Shard(dim) and Replicate)");
+      // This rank's local tensor and the global offset of the box it holds.
+      std::array<int64_t, 1 + kMaxDims> m{};
+      m[0] = unit_of_row[c];
+      at::Tensor local = t;
+      std::array<int64_t, kMaxDims> shape_buf{};
+      std::copy(sizes.begin(), sizes.end(), shape_buf.begin());
+      c10::IntArrayRef local_shape(shape_buf.data(), sizes.size());
+      if (vf.dtensor) {
+        const py::object& local_obj = vf.local;
+        const py::object& mesh = vf.mesh;
+        const py::object& placements = vf.placements;
+        TORCH_CHECK_TYPE(THPVariable_Check(local_obj.ptr()), "the local tensor of value ", i, " is a ",
+                         py_str(py::type::of(local_obj)));
+        local = THPVariable_Unpack(local_obj.ptr());
+        auto found = facts_of.find(mesh.ptr());
+        if (found == facts_of.end()) {  // once per mesh: DeviceMesh's own calls cost microseconds each
+          auto f = mesh_facts(mesh).cast<std::tuple<bool, int64_t, int64_t, int64_t>>();
+          found = facts_of.emplace(mesh.ptr(), MeshFacts{std::get<0>(f), std::get<1>(f), std::get<2>(f),
+                                                         std::get<3>(f)}).first;
+        }
+        const auto& f = found->second;
+        if (f.ndim == 1 && f.member) {
+          py::object p = vf.first ? vf.first : py::object(placements[py::int_(0)]);
+          if (p.get_type().is(shard_type)) {  // torch.chunk's split, as DTensor's Shard: ceil-sized chunks, empty tails
+            TORCH_CHECK_VALUE(nd > 0, "value ", i, " is a 0-dim DTensor placed ", py_str(p));
+            const int64_t d = ((attr(p, "dim").cast<int64_t>() % nd) + nd) % nd;
+            const int64_t len = row[2 + d];
+            const int64_t chunk = (len + f.size - 1) / f.size;
+            const int64_t lo = std::min(f.coord * chunk, len);
+            m[1 + d] = lo;
+            shape_buf[d] = std::min(lo + chunk, len) - lo;
+          } else if (!p.get_type().is(replicate_type)) {
+            problem(i, key + ": placement " + py_str(p) + " is not supported (only Shard(dim) and Replicate)");
+            continue;
+          }
+        } else {
+          py::tuple shape(nd);
+          for (int64_t d = 0; d < nd; ++d) shape[d] = py::int_(row[2 + d]);
+          auto box = nd_box(mesh, placements, shape).cast<py::tuple>();
+          if (!box[0].is_none()) {
+            problem(i, key + ": " + py_str(box[0]));
+            continue;
+          }
+          if (box[1].is_none()) continue;  // this rank is not in the mesh: it holds nothing
+          auto lo = box[1].cast<std::vector<int64_t>>();
+          auto box_shape = box[2].cast<std::vector<int64_t>>();
+          TORCH_CHECK_VALUE(lo.size() == static_cast<size_t>(nd) && box_shape.size() == static_cast<size_t>(nd),
+                            "nd_box gave a box of ", lo.size(), " and ", box_shape.size(), " dims for value ", i,
+                            " of ", nd);
+          std::copy(lo.begin(), lo.end(), m.begin() + 1);
+          std::copy(box_shape.begin(), box_shape.end(), shape_buf.begin());
+        }
+        if (!local.sizes().equals(local_shape)) {
+          problem(i, key + ": rank " + std::to_string(rank) + " holds a local shard of shape " +
+                         tuple_str(local.sizes()) + ", but its placements " + py_str(placements) +
+                         " on a mesh of shape " + py_str(py::tuple(mesh.attr("shape"))) + " give " +
+                         tuple_str(local_shape));
           continue;
         }
+      }
+      auto [dest, fresh] = dest_of.find_or_add(v, locals.size());
+      if (fresh) {
+        locals.push_back(local);
+        meta.push_back(m);
       } else {
-        py::tuple shape(nd);
-        for (int64_t d = 0; d < nd; ++d) shape[d] = py::int_(row[2 + d]);
-        auto box = nd_box(mesh, placements, shape).cast<py::tuple>();
-        if (!box[0].is_none()) {
-          problem(i, key + ": " + py_str(box[0]));
-          continue;
-        }
-        if (box[1].is_none()) continue;  // this rank is not in the mesh: it holds nothing
-        auto lo = box[1].cast<std::vector<int64_t>>();
-        auto box_shape = box[2].cast<std::vector<int64_t>>();
-        TORCH_CHECK_VALUE(lo.size() == static_cast<size_t>(nd) && box_shape.size() == static_cast<size_t>(nd),
-                          "nd_box gave a box of ", lo.size(), " and ", box_shape.size(), " dims for value ", i,
-                          " of ", nd);
-        std::copy(lo.begin(), lo.end(), m.begin() + 1);
-        std::copy(box_shape.begin(), box_shape.end(), shape_buf.begin());
+        meta[dest] = m;  // the last key's unit, in the first key's place
       }
-      if (!local.sizes().equals(local_shape)) {
-        problem(i, key + ": rank " + std::to_string(rank) + " holds a local shard of shape " +
-                       tuple_str(local.sizes()) + ", but its placements " + py_str(placements) +
-                       " on a mesh of shape " + py_str(py::tuple(mesh.attr("shape"))) + " give " +
-                       tuple_str(local_shape));
-        continue;
-      }
-    }
-    auto [dest, fresh] = dest_of.find_or_add(v, locals.size());
-    if (fresh) {
-      locals.push_back(local);
-      meta.push_back(m);
-    } else {
-      meta[dest] = m;  // the last key's unit, in the first key's place
     }
   }
 
@@ -336,17 +342,21 @@ py::tuple load_dests(
 std::tuple<std::vector<c10::Device>, int64_t> model_devices(const py::list& values, const py::handle& dtensor_type) {
   std::vector<c10::Device> devices;
   const auto n = static_cast<int64_t>(values.size());
-  const auto facts = gather(values, nullptr, dtensor_type, /*whole_chain=*/false);
-  for (int64_t i = 0; i < n; ++i) {
-    prefetch_impls(values, facts, i);
-    const auto& f = facts[i];
-    if (!f.tensor) continue;  // extra state, or anything else a state_dict hook put there
-    PyObject* o = f.dtensor ? f.local.ptr() : PyList_GET_ITEM(values.ptr(), i);
-    if (!THPVariable_Check(o)) continue;
-    const at::Tensor& t = THPVariable_Unpack(o);
-    if (t.is_meta()) return {devices, i};
-    if (t.numel() > 0 && std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
-      devices.push_back(t.device());
+  std::vector<ValueFacts> facts(n);
+  for (int64_t g0 = 0; g0 < n; g0 += kGroup) {
+    const int64_t g1 = std::min(n, g0 + kGroup);
+    gather(values, g0, g1, nullptr, dtensor_type, /*whole_chain=*/false, facts);
+    prefetch_impls(values, facts, g0, g1);
+    for (int64_t i = g0; i < g1; ++i) {
+      const auto& f = facts[i];
+      if (!f.tensor) continue;  // extra state, or anything else a state_dict hook put there
+      PyObject* o = f.dtensor ? f.local.ptr() : PyList_GET_ITEM(values.ptr(), i);
+      if (!THPVariable_Check(o)) continue;
+      const at::Tensor& t = THPVariable_Unpack(o);
+      if (t.is_meta()) return {devices, i};
+      if (t.numel() > 0 && std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
+        devices.push_back(t.device());
+      }
     }
   }
   return {devices, -1};
