@@ -43,6 +43,7 @@ from .sync import DEFAULT_BUCKET_BYTES, DEFAULT_RING_DEPTH, _group_src, _resolve
 logger = logging.getLogger(__name__)
 
 _NBT = "num_batches_tracked"
+_DOT_NBT = "." + _NBT
 _EXTRA = getattr(nn.modules.module, "_EXTRA_STATE_KEY_SUFFIX", "_extra_state")
 _META_CHUNK = 512 << 10  # metadata moves in pieces this size: small-pool device blocks only
 _RECORD = 4096  # bytes per rank in the verdict all_gather: 3 int64, then a UTF-8 message
@@ -276,7 +277,9 @@ def _describe_source(sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Mod
     table, canon, problems = _C.describe_tensors(tensors, device)
     for j, why in problems:
         meta["bad"][rows[j]] = why
-    meta["rows"], meta["table"] = torch.tensor(rows, dtype=torch.int64), table
+    every = len(rows) == len(keys)  # the usual case: each key a row, in order
+    meta["rows"] = torch.arange(len(rows), dtype=torch.int64) if every else torch.tensor(rows, dtype=torch.int64)
+    meta["table"] = table
     meta["canon"] = canon  # as table rows
     return meta, tensors
 
@@ -285,7 +288,7 @@ def _norm_versions(sd: Mapping[str, Any], model_sd: Mapping[str, Any]) -> dict[s
     """Per num_batches_tracked key of the model that the checkpoint lacks, the version that the checkpoint's
     _metadata gives its module (None without one): batch norm's own _load_from_state_dict fills the key in
     for checkpoints older than version 2, so that load_state_dict does not call it missing."""
-    lacking = [k for k in model_sd if (k == _NBT or k.endswith("." + _NBT)) and k not in sd]
+    lacking = [k for k in model_sd if k.endswith(_NBT) and (k == _NBT or k.endswith(_DOT_NBT)) and k not in sd]
     if not lacking:
         return {}
     md = getattr(sd, "_metadata", None)
