@@ -108,8 +108,27 @@ bool judge(PyObject* m, PyObject* hook) {
   }
 }
 
+// load_state_dict's walk: children first, then the module's own hooks; a
+// module reached twice is visited twice, as there. False where a module cannot
+// be read as one.
+bool collect(PyObject* m, std::vector<std::pair<PyObject*, py::object>>& out) {
+  const auto& n = names();
+  py::object children = get(m, n.modules);
+  if (!children || !PyDict_Check(children.ptr())) return false;
+  Py_ssize_t pos = 0;
+  PyObject *key = nullptr, *child = nullptr;
+  while (PyDict_Next(children.ptr(), &pos, &key, &child)) {
+    if (child != Py_None && !collect(child, out)) return false;
+  }
+  py::object hooks = get(m, n.post_hooks);
+  if (!hooks || !PyDict_Check(hooks.ptr())) return false;
+  pos = 0;
+  PyObject* hook = nullptr;
+  while (PyDict_Next(hooks.ptr(), &pos, &key, &hook)) out.emplace_back(m, py::reinterpret_borrow<py::object>(hook));
+  return true;
+}
+
 constexpr size_t kGroup = 16;
-constexpr size_t kMaxVisits = size_t{1} << 24;
 
 inline void prefetch_object(const PyObject* o) {
   const auto* p = reinterpret_cast<const char*>(o);
@@ -117,50 +136,6 @@ inline void prefetch_object(const PyObject* o) {
   __builtin_prefetch(p);
   __builtin_prefetch(p + 64);
   __builtin_prefetch(p + 128);  // a Tensor subclass's slots follow its THPVariable
-}
-
-// Every module's post-hooks, each module as often as load_state_dict reaches
-// it. Level by level, a group of modules at a time with their dicts
-// prefetched: whether all hooks are idle does not depend on the order, and a
-// walk down one module at a time waits on each module's cold objects in turn
-// (a MoE model has thousands of modules). False where a module cannot be read
-// as one.
-bool collect(PyObject* model, std::vector<std::pair<PyObject*, py::object>>& out) {
-  const auto& n = names();
-  std::vector<PyObject*> level{model}, next;  // borrowed: their parents' _modules hold them
-  size_t visits = 1;
-  while (!level.empty()) {
-    next.clear();
-    for (size_t g0 = 0; g0 < level.size(); g0 += kGroup) {
-      const size_t g = std::min(kGroup, level.size() - g0);
-      py::object children[kGroup], hooks[kGroup];
-      for (size_t b = 0; b < g; ++b) prefetch_object(level[g0 + b]);
-      for (size_t b = 0; b < g; ++b) {
-        children[b] = get(level[g0 + b], n.modules);
-        hooks[b] = get(level[g0 + b], n.post_hooks);
-        if (!children[b] || !PyDict_Check(children[b].ptr()) || !hooks[b] || !PyDict_Check(hooks[b].ptr())) {
-          return false;
-        }
-        prefetch_object(children[b].ptr());
-        prefetch_object(hooks[b].ptr());
-      }
-      for (size_t b = 0; b < g; ++b) {
-        Py_ssize_t pos = 0;
-        PyObject *key = nullptr, *value = nullptr;
-        while (PyDict_Next(children[b].ptr(), &pos, &key, &value)) {
-          if (value != Py_None) next.push_back(value);
-        }
-        pos = 0;
-        while (PyDict_Next(hooks[b].ptr(), &pos, &key, &value)) {
-          out.emplace_back(level[g0 + b], py::reinterpret_borrow<py::object>(value));
-        }
-      }
-    }
-    std::swap(level, next);
-    visits += level.size();
-    if (visits > kMaxVisits) return false;  // a module that holds itself: load_state_dict's recursion raises
-  }
-  return true;
 }
 
 // The hooks judged kGroup at a time, one hop of judge()'s chain per pass over
