@@ -95,14 +95,6 @@ struct ValueFacts {
 // Values are read kGroup at a time, each group's chain one hop per pass (below).
 constexpr int64_t kGroup = 16;
 
-inline void prefetch_object(const PyObject* o) {
-  const auto* p = reinterpret_cast<const char*>(o);
-  __builtin_prefetch(p - 32);  // a Python subclass's managed dict and values pointers precede the object
-  __builtin_prefetch(p);
-  __builtin_prefetch(p + 64);
-  __builtin_prefetch(p + 128);  // a Tensor subclass's slots (a DTensor's _local_tensor, _spec) follow its THPVariable
-}
-
 // The facts of values [begin, end), a group of at most kGroup: one hop of the
 // chain per pass over the group (value -> spec -> placements ->
 // placements[0]), each pass prefetching what the next reads, so that the

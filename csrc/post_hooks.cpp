@@ -130,14 +130,6 @@ bool collect(PyObject* m, std::vector<std::pair<PyObject*, py::object>>& out) {
 
 constexpr size_t kGroup = 16;
 
-inline void prefetch_object(const PyObject* o) {
-  const auto* p = reinterpret_cast<const char*>(o);
-  __builtin_prefetch(p - 32);  // a Python object's managed dict and values pointers precede it
-  __builtin_prefetch(p);
-  __builtin_prefetch(p + 64);
-  __builtin_prefetch(p + 128);  // a Tensor subclass's slots follow its THPVariable
-}
-
 // The hooks judged kGroup at a time, one hop of judge()'s chain per pass over
 // the group (hook -> closure -> cell -> FSDPParam -> its parameter, padded
 // storage and module info -> the tensors and the parameter's name), each pass
