@@ -261,6 +261,10 @@ class Bench:
                 print(f"# {kind}/{source}: source built in {time.perf_counter() - t0:.1f} s", flush=True)
             if self.rank == 0 and not self.cpu and kind in ("llama8b", "moe") and source != "gpu":
                 self.h2d(sd)
+            if args.interleave:
+                self.interleaved(model, sd, kind, source, seed, nbytes, len(specs),
+                                 [(n, o) for n, o in methods if n != "dcp"])
+                methods = [(n, o) for n, o in methods if n == "dcp"]
             for name, options in methods:
                 if "copy_threads" in options and source != "pageable":
                     continue  # threads only copy pageable memory
@@ -293,9 +297,24 @@ class Bench:
         if not self.cpu:
             torch.cuda.empty_cache()
 
+    def interleaved(self, model, sd, kind: str, source: str, seed: int, nbytes: int, ntensors: int,
+                    methods: list) -> None:
+        """Our methods' loads in turn, rep by rep (an A/B that a host's drift within a process moves alike),
+        each row with its phases (host ms); rep 0 warms up, the last is checked bitwise."""
+        from profile_load import phase_timers
+        for rep in range(self.args.reps + 1):
+            for name, options in methods:
+                poison(model)
+                with phase_timers() as spent:
+                    row = self.measure(lambda: self.load(model, sd, dict(options)))
+                ok = verify(model, seed, self.device, f"{kind}/{source}/{name}") if rep == self.args.reps else None
+                self.emit(kind="load", state=kind, source=source, method=name, rep=rep, warmup=rep == 0,
+                          state_GiB=nbytes / GiB, ntensors=ntensors, GBps=nbytes / row["sec"] / 1e9, bitwise_ok=ok,
+                          phases_ms={k: round(v * 1e3, 2) for k, v in spent.items()}, **row)
+
     def phases(self, fn, kind: str, source: str) -> None:
-        """One more load with state_dict.py's phases timed (host wall time each, ms; `_transfer` includes the
-        wait for the copies of host memory)."""
+        """One more load with state_dict.py's phases timed (host wall time each, ms; the source's wait for its
+        copies of host memory, after the post-hooks, is `host_reads_wait`)."""
         from profile_load import phase_timers
         self.sync()
         with phase_timers() as spent:
@@ -442,6 +461,8 @@ def main() -> None:
     p.add_argument("--extra-env", default="", help="extra coalesced_bcast rows, each with NAME=VALUE set in the environment "
                    "during its loads (comma-separated)")
     p.add_argument("--no-dcp", action="store_true", help="leave out DCP's rows")
+    p.add_argument("--interleave", action="store_true", help="our methods (with --extra-*) in turn, rep by rep, "
+                   "each load's phases in its row")
     p.add_argument("--phases", action="store_true", help="one more load per state and source with the host time of "
                    "each of load_full_state_dict's phases (a `phases` row)")
     p.add_argument("--trace", default=None, help="a directory: one more load of each state and source under "

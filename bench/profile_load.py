@@ -64,8 +64,9 @@ def main():
     dist.destroy_process_group()
 
 
+# host_reads_wait: the source waits for its copies of host memory, after the post-hooks ran beside them.
 PHASES = ["_model_device", "_describe_source", "_broadcast_meta", "_plan_local", "_agree", "_transfer",
-          "_run_post_hooks"]
+          "_run_post_hooks", "host_reads_wait"]
 
 
 @contextlib.contextmanager

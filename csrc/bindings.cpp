@@ -290,6 +290,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("describe_tensors", &describe_tensors, py::arg("tensors"), py::arg("device"),
         "A load source's tensors: (table int64 [n, 2 + 8] of dtype, ndim, sizes; canonical index of each; "
         "[(index, why)] for those that cannot be sent)");
+  py::class_<HostReads, std::shared_ptr<HostReads>>(
+      m, "HostReads", "The copies of a load source's host memory still running after its broadcast returned")
+      .def("wait", &HostReads::wait, py::call_guard<py::gil_scoped_release>(),
+           "Until they are done; past the call's deadline raises (what they read is then kept)");
   py::class_<Plan>(m, "Plan")
       .def(py::init(&build_plan), py::arg("tensors"), py::arg("names"), py::arg("bucket_bytes"),
            py::arg("ring_depth"), py::arg("inplace_min_bytes"), py::arg("coalesce_bytes"), py::arg("rank"),
@@ -347,7 +351,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "broadcast",
           [](const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t src, double timeout_s,
-             std::optional<py::function> progress, double progress_seconds, std::optional<py::function> hook) {
+             std::optional<py::function> progress, double progress_seconds, std::optional<py::function> hook,
+             bool leave_host_reads) -> py::tuple {
             const auto timeout = to_timeout(timeout_s);
             const auto h = as_hook(hook);
             Progress p;
@@ -361,10 +366,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             RunStats stats;
             {
               py::gil_scoped_release release;
-              stats = broadcast_plan(plan, pg, src, timeout, p, h);
+              stats = broadcast_plan(plan, pg, src, timeout, p, h, leave_host_reads);
             }
-            return std::make_tuple(stats.seconds, stats.ring_bytes, stats.host_ring_bytes);
+            if (!leave_host_reads) return py::make_tuple(stats.seconds, stats.ring_bytes, stats.host_ring_bytes);
+            return py::make_tuple(stats.seconds, stats.ring_bytes, stats.host_ring_bytes, stats.host_reads);
           },
           py::arg("group"), py::arg("src"), py::arg("timeout_s") = 0.0, py::arg("progress") = py::none(),
-          py::arg("progress_seconds") = 0.0, py::arg("hook") = py::none());
+          py::arg("progress_seconds") = 0.0, py::arg("hook") = py::none(), py::arg("leave_host_reads") = false,
+          "with leave_host_reads, a fourth value: the copies of the source's host memory still running "
+          "(HostReads, or None), for the caller to wait() on before it returns");
 }

@@ -23,6 +23,18 @@ enum class Lane { kComm = 0, kCopy = 1, kSend = 2 };
 // pack (both plan.scatter, per Bucket), a refit sender's permute (plan.permute).
 enum class Runs { kScatter = 0, kPermute = 1 };
 
+// A load's source: the copies of its host memory that were still queued when the
+// call returned (Executor::end_leaving_host_reads). It holds what they read (the
+// source's CPU tensors, the pinned staging ring) until wait() has seen them done,
+// so that the host can do the load's remaining work (post-hooks) meanwhile.
+class HostReads {
+ public:
+  virtual ~HostReads() = default;
+  // Returns once the copies are done. Past the call's deadline it raises, and
+  // what they may still read is kept for the process's life.
+  virtual void wait() = 0;
+};
+
 class Executor {
  public:
   virtual ~Executor() = default;
@@ -34,6 +46,12 @@ class Executor {
   // host memory they may still read is kept for the process's life, and end()
   // raises, or when `unwinding` (an error is on its way out) returns quietly.
   virtual void end(bool /*unwinding*/ = false) {}
+  // end(), but copies that still read host memory are left running: the host
+  // waits for them through the returned handle (null when there are none).
+  virtual std::shared_ptr<HostReads> end_leaving_host_reads() {
+    end();
+    return nullptr;
+  }
   // The call's deadline (with a timeout): the host never waits on the device beyond it.
   virtual void set_deadline(std::chrono::steady_clock::time_point /*deadline*/, int /*rank*/) {}
   // The stream a lane's work is queued on, for a stream guard (none on CPU).

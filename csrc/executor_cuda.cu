@@ -11,6 +11,8 @@
 // pinned host slot by the stager's threads and copied up in as few transfers
 // as their offsets allow. Before the call returns the copy stream is waited
 // for on the host: the caller may free or change its CPU tensors at once.
+// A load leaves that wait to a HostReads handle (end_leaving_host_reads) and
+// runs its post-hooks before it waits, beside the copies.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -56,6 +58,65 @@ at::cuda::CUDAStream lane_stream_of(c10::DeviceIndex device, Lane lane, bool hig
   return it->second;
 }
 
+constexpr const char* kHostReadsLate =
+    "Timed out: the copies of the checkpoint's host memory were not done by the call's deadline, as they wait for "
+    "broadcasts that did not finish (a rank stalled, died or called another collective); they may still read the "
+    "source's CPU tensors, on rank ";
+
+// Waits on the host for `done`: until it is, or until the deadline if there is one (then false).
+bool wait_event(const at::cuda::CUDAEvent& done, const std::optional<std::chrono::steady_clock::time_point>& deadline) {
+  if (!deadline) {
+    done.synchronize();
+    return true;
+  }
+  const double left = std::chrono::duration<double>(*deadline - std::chrono::steady_clock::now()).count();
+  return poll_until([&] { return done.query(); }, left);
+}
+
+// Host memory that copies still queued may read at any time: never handed back for reuse.
+void keep_for_process_life(std::vector<at::Tensor> tensors) {
+  static std::mutex mu;
+  static auto* kept = new std::vector<at::Tensor>();  // never freed, on purpose
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto& t : tensors) kept->push_back(std::move(t));
+}
+
+class CudaHostReads final : public HostReads {
+ public:
+  CudaHostReads(at::cuda::CUDAEvent done, std::vector<at::Tensor> read,
+                std::optional<std::chrono::steady_clock::time_point> deadline, int rank)
+      : done_(std::move(done)), read_(std::move(read)), deadline_(deadline), rank_(rank) {}
+
+  void wait() override {
+    if (finished_) return;
+    finished_ = true;
+    if (!wait_event(done_, deadline_)) {
+      keep_for_process_life(std::move(read_));
+      TORCH_CHECK(false, kHostReadsLate, rank_);
+    }
+    read_.clear();
+  }
+
+  // Not waited for (an error on its way out of the caller): what the copies may still read is kept
+  // rather than the host blocked here.
+  ~CudaHostReads() override {
+    if (finished_) return;
+    bool done = false;
+    try {
+      done = done_.query();
+    } catch (...) {
+    }
+    if (!done) keep_for_process_life(std::move(read_));
+  }
+
+ private:
+  at::cuda::CUDAEvent done_;
+  std::vector<at::Tensor> read_;
+  std::optional<std::chrono::steady_clock::time_point> deadline_;
+  int rank_;
+  bool finished_ = false;
+};
+
 class CudaExecutor final : public Executor {
  public:
   explicit CudaExecutor(const Plan& plan)
@@ -76,21 +137,21 @@ class CudaExecutor final : public Executor {
   }
 
   void end(bool unwinding) override {
-    at::cuda::CUDAEvent comm_done, copy_done;
-    comm_done.record(comm_);
-    copy_done.record(copy_);
-    comm_done.block(caller_);
-    copy_done.block(caller_);
-    if (plan_.is_refit) {
-      at::cuda::CUDAEvent send_done;
-      send_done.record(send_);
-      send_done.block(caller_);
-    }
-    if (!read_host_ || wait_host(copy_done)) return;  // the copies read host memory: done with it
+    const auto copy_done = order_caller();
+    if (!read_host_ || wait_event(copy_done, deadline_)) return;  // the copies read host memory: done with it
     keep_host_ring();
-    TORCH_CHECK(unwinding, "Timed out: the copies of the checkpoint's host memory on rank ", rank_,
-                " were not done by the call's deadline, as they wait for broadcasts that did not finish (a rank "
-                "stalled, died or called another collective); they may still read the source's CPU tensors");
+    TORCH_CHECK(unwinding, kHostReadsLate, rank_);
+  }
+
+  std::shared_ptr<HostReads> end_leaving_host_reads() override {
+    auto copy_done = order_caller();
+    if (!read_host_) return nullptr;
+    std::vector<at::Tensor> read;  // what the copies may still read: the source's host tensors, the staging ring
+    for (const auto& t : plan_.inputs) {
+      if (t.defined() && !t.is_cuda()) read.push_back(t);
+    }
+    if (host_ring_.defined()) read.push_back(std::move(host_ring_));
+    return std::make_shared<CudaHostReads>(std::move(copy_done), std::move(read), deadline_, rank_);
   }
 
   void set_deadline(std::chrono::steady_clock::time_point deadline, int rank) override {
@@ -273,24 +334,31 @@ class CudaExecutor final : public Executor {
     host_free_[s].record(copy_);
     host_used_[s] = true;
   }
-  // Waits on the host for `done`: until it is, or until the deadline if there is one (then false).
-  bool wait_host(const at::cuda::CUDAEvent& done) const {
-    if (!deadline_) {
-      done.synchronize();
-      return true;
+  // The caller's stream waits for every lane; the copy lane's end, for a host wait.
+  at::cuda::CUDAEvent order_caller() {
+    at::cuda::CUDAEvent comm_done, copy_done;
+    comm_done.record(comm_);
+    copy_done.record(copy_);
+    comm_done.block(caller_);
+    copy_done.block(caller_);
+    if (plan_.is_refit) {
+      at::cuda::CUDAEvent send_done;
+      send_done.record(send_);
+      send_done.block(caller_);
     }
-    const double left = std::chrono::duration<double>(*deadline_ - std::chrono::steady_clock::now()).count();
-    return poll_until([&] { return done.query(); }, left);
+    return copy_done;
+  }
+
+  bool wait_host(const at::cuda::CUDAEvent& done) const {
+    return wait_event(done, deadline_);
   }
 
   // Past the deadline, copies still queued may read the staging ring whenever their broadcasts end: its
   // pinned memory is kept for the process's life rather than handed back for reuse.
   void keep_host_ring() {
     if (!host_ring_.defined()) return;
-    static std::mutex mu;
-    static auto* kept = new std::vector<at::Tensor>();  // never freed, on purpose
-    std::lock_guard<std::mutex> lock(mu);
-    kept->push_back(std::move(host_ring_));
+    std::vector<at::Tensor> ring{std::move(host_ring_)};
+    keep_for_process_life(std::move(ring));
   }
 
   at::cuda::CUDAStream& lane_stream(Lane lane) {

@@ -61,7 +61,8 @@ RunStats broadcast_plan(
     int64_t src,
     std::chrono::milliseconds timeout,
     const Progress& progress,
-    const BucketHook& hook) {
+    const BucketHook& hook,
+    bool leave_host_reads) {
   const auto t0 = std::chrono::steady_clock::now();
   TORCH_CHECK_VALUE(
       src >= 0 && src < pg->getSize(), "src must be a rank of the group (0..", pg->getSize() - 1, "), got ", src,
@@ -234,7 +235,11 @@ RunStats broadcast_plan(
     throw;
   }
   stats.host_ring_bytes = exec->host_bytes();
-  exec->end();
+  if (leave_host_reads) {
+    stats.host_reads = exec->end_leaving_host_reads();
+  } else {
+    exec->end();
+  }
   finish(plan, is_src, stats, t0);
   return stats;
 }

@@ -9,15 +9,19 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <memory>
 
 #include "plan.h"
 
 namespace coalesced_bcast {
 
+class HostReads;  // executor.h
+
 struct RunStats {
   double seconds = 0;            // host wall time of the call (work may still be queued on CUDA)
   int64_t ring_bytes = 0;        // device bytes held for the ring and its copy table
   int64_t host_ring_bytes = 0;   // pinned host bytes of a load's host stage (its source)
+  std::shared_ptr<HostReads> host_reads;  // with leave_host_reads: the copies of host memory still running
 };
 
 // Called on the source every `every` seconds at most with the bytes queued so
@@ -47,7 +51,8 @@ RunStats broadcast_plan(
     int64_t src,
     std::chrono::milliseconds timeout,
     const Progress& progress = {},
-    const BucketHook& hook = {});
+    const BucketHook& hook = {},
+    bool leave_host_reads = false);
 
 // A refit's sending side (make_refit_plan), on every trainer rank: per bucket
 // the trainer ranks' chunks are gathered to the sender over `trainer` (null:

@@ -117,6 +117,33 @@ def test_load_from_pinned_memory_is_done_with_it_on_return():
     run_ranks(1, _overwrite_after_return_body, backend="nccl", timeout=200)
 
 
+def _hooks_beside_copies_body(rank, world_size):
+    full, model = _int16_weights(13, 4, 16 << 20)
+    sd = {k: v.cpu().pin_memory() for k, v in full.items()}
+    coalesced_bcast.load_full_state_dict(model, sd)  # NCCL's communicator, made once
+    torch.cuda.synchronize()
+    lane = _lane("copy")
+    seen = []
+    model.register_load_state_dict_post_hook(lambda m, keys: seen.append(lane.query()))
+    # The copy lane held for about a second before the call: the copies of the source's memory queue behind it.
+    with torch.cuda.stream(lane):
+        torch.cuda._sleep(2_000_000_000)
+    coalesced_bcast.load_full_state_dict(model, sd)
+    assert seen == [False], f"the post-hook ran after the copies were done ({seen}): the host waited for them first"
+    assert lane.query(), "the load returned before the copies of the source's host memory were done"
+    for v in sd.values():
+        v.fill_(0)
+    torch.cuda.synchronize()
+    for k, v in full.items():
+        assert torch.equal(getattr(model, k), v), f"'{k}' differs"
+
+
+def test_load_post_hooks_run_while_the_host_copies_do():
+    """The source's host does the load's post-hooks while its copies of host memory are still running, and
+    waits for those copies before it returns."""
+    run_ranks(1, _hooks_beside_copies_body, backend="nccl", timeout=200)
+
+
 def _busy_copy_lane_body(rank, world_size):
     dev = torch.device("cuda", 0)
     g = torch.Generator(device=dev).manual_seed(11)

@@ -178,15 +178,28 @@ def _run(name: str, pg: dist.ProcessGroup, timeout: Optional[timedelta], start, 
 
 
 def payload_broadcast(plan, pg: dist.ProcessGroup, src: int, timeout: Optional[float | timedelta], progress=None,
-                      progress_seconds: float = 0.0):
+                      progress_seconds: float = 0.0, leave_host_reads: bool = False):
     """plan.broadcast (the C++ core), with a failure turned into a CollectiveError that says what it means.
 
-    Returns (host seconds, device ring bytes, pinned host ring bytes)."""
+    Returns (host seconds, device ring bytes, pinned host ring bytes); with leave_host_reads, a fourth value:
+    the copies of a load source's host memory still running (None if there are none), for host_reads_wait."""
     timeout = as_timedelta(timeout)
+    with _payload_failure(pg, timeout):
+        return plan.broadcast(pg, src, timeout.total_seconds() if timeout is not None else 0.0, progress,
+                              progress_seconds, leave_host_reads=leave_host_reads)
+
+
+def host_reads_wait(reads, pg: dist.ProcessGroup, timeout: Optional[float | timedelta]) -> None:
+    """Until the copies that payload_broadcast left running are done; a failure worded as its own."""
+    with _payload_failure(pg, as_timedelta(timeout)):
+        reads.wait()
+
+
+@contextlib.contextmanager
+def _payload_failure(pg: dist.ProcessGroup, timeout: Optional[timedelta]):
     t0 = time.monotonic()
     try:
-        return plan.broadcast(pg, src, timeout.total_seconds() if timeout is not None else 0.0, progress,
-                              progress_seconds)
+        yield
     except RuntimeError as e:
         limit = f"{timeout.total_seconds():g} s" if timeout is not None else "the group's timeout"
         raise CollectiveError(

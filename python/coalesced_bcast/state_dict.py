@@ -37,7 +37,7 @@ except ImportError:  # torch < 2.5 kept DTensor in a private module: the same cl
     from torch.distributed._tensor import DTensor, Replicate, Shard
 
 from . import _C
-from .agree import payload_broadcast
+from .agree import host_reads_wait, payload_broadcast
 from .sync import DEFAULT_BUCKET_BYTES, DEFAULT_RING_DEPTH, _group_src, _resolve_group, gc_paused
 
 logger = logging.getLogger(__name__)
@@ -151,22 +151,26 @@ def load_full_state_dict(
         plan = _plan_local(model, model_sd, extra_mods, owned, meta, src_tensors, strict, device, rank,
                            error or unreadable, bucket_bytes, ring_depth, copy_threads if is_src else 1)
         strict_after_hooks = _agree(plan, pg, src_g, ctrl, rank)
-        buckets = _transfer(plan, pg, src_g, is_src, timeout, progress_seconds, t0)
-        tensors, nbytes = plan.tensors, plan.total
-        direct = plan.core.direct_buckets if plan.core is not None else 0
-        plan.core = None  # FSDP2's post-hook may re-pad shards: let the engine's references go
-        del model_sd, src_tensors
-        hook_error = None
-        try:
-            for obj, mod in plan.extras:
-                mod.set_extra_state(obj)
-            _run_post_hooks(model, plan.missing, plan.unexpected)  # they may edit the lists, as in load_state_dict
-        except Exception as e:
-            if not strict_after_hooks:
-                raise
-            hook_error = e  # the others wait for this rank's verdict below: it must reach them
-        if strict_after_hooks:
-            _strict_after_hooks(plan, model, strict, pg, ctrl, rank, hook_error)
+        buckets, reads = _transfer(plan, pg, src_g, is_src, timeout, progress_seconds, t0)
+        try:  # the source's copies of host memory may still run: the host does the rest meanwhile
+            tensors, nbytes = plan.tensors, plan.total
+            direct = plan.core.direct_buckets if plan.core is not None else 0
+            plan.core = None  # FSDP2's post-hook may re-pad shards: let the engine's references go
+            del model_sd, src_tensors
+            hook_error = None
+            try:
+                for obj, mod in plan.extras:
+                    mod.set_extra_state(obj)
+                _run_post_hooks(model, plan.missing, plan.unexpected)  # they may edit the lists, as load_state_dict
+            except Exception as e:
+                if not strict_after_hooks:
+                    raise
+                hook_error = e  # the others wait for this rank's verdict below: it must reach them
+            if strict_after_hooks:
+                _strict_after_hooks(plan, model, strict, pg, ctrl, rank, hook_error)
+        finally:
+            if reads is not None:  # the caller may free or change the source's tensors once this returns
+                host_reads_wait(reads, pg, timeout)
     stats = LoadStats(
         keys=plan.num_keys, tensors=tensors, bytes=nbytes, buckets=buckets,
         cast_keys=plan.cast_keys, missing_keys=tuple(plan.missing), unexpected_keys=tuple(plan.unexpected),
@@ -633,10 +637,11 @@ def _strict_after_hooks(plan: _Plan, model: nn.Module, strict: bool, pg: dist.Pr
 
 
 def _transfer(plan: _Plan, pg: dist.ProcessGroup, src_g: int, is_src: bool, timeout: Optional[timedelta],
-              progress_seconds: float, t0: float) -> int:
+              progress_seconds: float, t0: float) -> tuple[int, Any]:
+    """Buckets sent, and the source's copies of host memory still running (None when none are)."""
     core = plan.core
     if core is None or core.num_buckets == 0:
-        return 0
+        return 0, None
     total = plan.total
 
     def progress(done: int) -> None:  # the source only, from inside the transfer
@@ -645,9 +650,12 @@ def _transfer(plan: _Plan, pg: dist.ProcessGroup, src_g: int, is_src: bool, time
         logger.info("load_full_state_dict: %.2f of %.2f GiB queued (%.0f%%), %.2f GB/s, ETA %.0f s", done / 2**30,
                     total / 2**30, 100 * done / total, rate / 1e9, (total - done) / rate if rate else 0.0)
 
-    _, plan.ring_bytes, plan.host_ring_bytes = payload_broadcast(
-        core, pg, src_g, timeout, progress if is_src else None, progress_seconds)
-    return core.num_buckets
+    # COALESCED_BCAST_LOAD_HOST_WAIT=inline: the host waits for the copies inside the broadcast (the bench's A/B).
+    leave = os.environ.get("COALESCED_BCAST_LOAD_HOST_WAIT") != "inline"
+    out = payload_broadcast(core, pg, src_g, timeout, progress if is_src else None, progress_seconds,
+                            leave_host_reads=leave)
+    plan.ring_bytes, plan.host_ring_bytes = out[1], out[2]
+    return core.num_buckets, out[3] if leave else None
 
 
 def _run_post_hooks(model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
