@@ -187,6 +187,13 @@ def check_plain(rank: int, ws: int) -> None:
     if rank == 0:
         assert model.head.weight is model.emb.weight
 
+    # The same keys in another order (matched key by key; in the model's order they are taken as they come).
+    shuffled = random_sd(Net(), seed=7)
+    shuffled = dict(reversed(list(shuffled.items())))
+    fill_sentinel(model)
+    load_full_state_dict(model, shuffled if rank == 0 else None, src=0, **SMALL)
+    assert_same_as_reference(model, reference(Net, shuffled), "plain, keys in another order")
+
     # Two different tensors for tied keys: the last key wins, as with load_state_dict; ring_depth 1.
     sd = random_sd(Net(), seed=2, tie=False)
     fill_sentinel(model)
@@ -274,6 +281,9 @@ def check_errors(rank: int, ws: int) -> None:
     value = dict(sd, **{"l1.bias": "oops"})
     expect_error(lambda: load_full_state_dict(model, value if rank == 0 else None, **SMALL), '"l1.bias"', "str")
     expect_error(lambda: load_full_state_dict(model, None, **SMALL), "source rank 0", "sd is None")
+    odd_key = dict(sd)
+    odd_key[7] = torch.zeros(1)
+    expect_error(lambda: load_full_state_dict(model, odd_key if rank == 0 else None, **SMALL), "not a string: 7")
     expect_error(lambda: load_full_state_dict(model, sd if rank == 1 else None, src=1, bucket_bytes=4096 + 16 * rank),
                  "bucket_bytes")
     if rank == ws - 1:

@@ -258,7 +258,7 @@ def _describe_source(sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Mod
         meta["fatal"] = f"rank {rank}: {error}"
         return meta, []
     keys = meta["keys"] = list(sd.keys())
-    bad_key = next((k for k in keys if not isinstance(k, str)), None)
+    bad_key = None if set(map(type, keys)) <= {str} else next((k for k in keys if not isinstance(k, str)), None)
     if bad_key is not None:
         meta["fatal"] = f"rank {rank}: the state dict has a key that is not a string: {bad_key!r}"
         return meta, []
@@ -276,7 +276,7 @@ def _describe_source(sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Mod
                 tensors.append(v)
             else:
                 meta["bad"][i] = _source_problem(v)
-    if model_sd is not None:
+    if model_sd is not None and keys != list(model_sd):  # the same keys in order: none lacking
         meta["norm_versions"] = _norm_versions(sd, model_sd)
     table, canon, problems = _C.describe_tensors(tensors, device)
     for j, why in problems:
@@ -405,9 +405,55 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
         plan.errors.append(f"bucket_bytes={bucket_bytes}, ring_depth={ring_depth} on rank {rank}, but the source "
                            f"uses {meta['bucket_bytes']}, {meta['ring_depth']}; pass the same options everywhere")
         return
+    load_keys, values, value_rows, value_keys, extra = _match_keys(plan, model, model_sd, extra, meta, strict, rank)
+    boxes: dict = {}  # per (mesh, placements, shape) of an n-D mesh: this rank's box, found once
+
+    def mesh_facts(mesh) -> tuple[bool, int, int, int]:
+        coord = mesh.get_coordinate()
+        one_d = mesh.ndim == 1
+        return coord is not None, coord[0] if coord is not None and one_d else 0, mesh.ndim, mesh.size(0) if one_d else 0
+
+    def nd_box(mesh, placements, shape):
+        memo = (id(mesh), id(placements), shape)  # ids: hashing placements runs Python per call
+        found = boxes.get(memo)
+        if found is None:
+            found = boxes[memo] = _dtensor_box(mesh, placements, shape)
+        return found
+
+    local, meta_t, units_t, unit_src_rows, plan.cast_keys, problems = _C.load_dests(
+        values, value_rows, meta["table"], meta["canon"], owned, DTensor, Shard,
+        Replicate, mesh_facts, nd_box, rank)
+    plan.errors += [msg.replace(_C.key_mark, value_keys[i]) for i, msg in problems]
+    plan.num_keys = len(load_keys)
+    plan.digest = _digest(load_keys, extra)
+    if plan.errors:
+        return
+    # Units in model order (ties on a rank are written in load_state_dict's order); the source's tensors
+    # in the same order (by table row).
+    sources = []
+    if src_tensors is not None:
+        n = len(src_tensors)
+        in_order = unit_src_rows.numel() == n and bool(torch.equal(unit_src_rows, torch.arange(n)))
+        sources = src_tensors if in_order else [src_tensors[r] for r in unit_src_rows.tolist()]
+    if copy_threads is None:
+        copy_threads = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    plan.core = _C.load_plan(units_t, sources, local, meta_t, bucket_bytes, ring_depth, rank, max(1, int(copy_threads)),
+                             device)
+    plan.tensors, plan.total = plan.core.num_units_sent, plan.core.total_bytes
+
+
+def _match_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra: Mapping[str, nn.Module],
+                meta: dict, strict: bool, rank: int) -> tuple[list[str], list, torch.Tensor, list[str], Mapping]:
+    """Key matching, as load_state_dict matches: the keys loaded, their values, each one's table row (int64),
+    the keys worded in errors, and the extra-state modules that take a value. Missing, unexpected and
+    refused keys go to `plan`."""
     keys = meta["keys"]
-    index = {k: i for i, k in enumerate(keys)}
     extras, bad = meta["extras"], meta["bad"]
+    if not extra and not bad and meta["rows"].numel() == len(keys) == len(model_sd) and keys == list(model_sd):
+        # The usual case: the model's keys are the checkpoint's, in its order, each value a tensor of its own
+        # table row (rows is then 0..n-1): nothing to match key by key.
+        return keys, list(model_sd.values()), meta["rows"], keys, extra
+    index = {k: i for i, k in enumerate(keys)}
     row_of = dict(zip(meta["rows"].tolist(), range(len(meta["rows"]))))  # key index -> table row
     if extra:  # load_state_dict takes extra state only into modules that override set_extra_state
         unset = {k for k, m in extra.items() if type(m).set_extra_state is nn.Module.set_extra_state}
@@ -458,36 +504,7 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
         values.append(v)
         value_rows.append(j)
         value_keys.append(k)
-    boxes: dict = {}  # per (mesh, placements, shape) of an n-D mesh: this rank's box, found once
-
-    def mesh_facts(mesh) -> tuple[bool, int, int, int]:
-        coord = mesh.get_coordinate()
-        one_d = mesh.ndim == 1
-        return coord is not None, coord[0] if coord is not None and one_d else 0, mesh.ndim, mesh.size(0) if one_d else 0
-
-    def nd_box(mesh, placements, shape):
-        memo = (id(mesh), id(placements), shape)  # ids: hashing placements runs Python per call
-        found = boxes.get(memo)
-        if found is None:
-            found = boxes[memo] = _dtensor_box(mesh, placements, shape)
-        return found
-
-    local, meta_t, units_t, unit_src_rows, plan.cast_keys, problems = _C.load_dests(
-        values, torch.tensor(value_rows, dtype=torch.int64), meta["table"], meta["canon"], owned, DTensor, Shard,
-        Replicate, mesh_facts, nd_box, rank)
-    plan.errors += [msg.replace(_C.key_mark, value_keys[i]) for i, msg in problems]
-    plan.num_keys = len(load_keys)
-    plan.digest = _digest(load_keys, extra)
-    if plan.errors:
-        return
-    # Units in model order (ties on a rank are written in load_state_dict's order); the source's tensors
-    # in the same order (by table row).
-    sources = [src_tensors[r] for r in unit_src_rows.tolist()] if src_tensors is not None else []
-    if copy_threads is None:
-        copy_threads = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    plan.core = _C.load_plan(units_t, sources, local, meta_t, bucket_bytes, ring_depth, rank, max(1, int(copy_threads)),
-                             device)
-    plan.tensors, plan.total = plan.core.num_units_sent, plan.core.total_bytes
+    return load_keys, values, torch.tensor(value_rows, dtype=torch.int64), value_keys, extra
 
 
 def _int64_table(rows: list[list[int]], width: int) -> torch.Tensor:
