@@ -128,14 +128,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "load_plan",
       [](const at::Tensor& units, std::vector<at::Tensor> sources, std::vector<at::Tensor> dests,
          const at::Tensor& dest_meta, int64_t bucket_bytes, int64_t ring_depth, int64_t rank, int64_t copy_threads,
-         c10::Device device, bool whole_units) {
+         c10::Device device, bool whole_units, bool kept) {
         auto o = load_options(bucket_bytes, ring_depth, rank, device, whole_units);
         o.copy_threads = copy_threads;
+        o.kept = kept;
         return make_load_plan(units, std::move(sources), std::move(dests), dest_meta, o);
       },
       py::arg("units"), py::arg("sources"), py::arg("dests"), py::arg("dest_meta"), py::arg("bucket_bytes"),
       py::arg("ring_depth"), py::arg("rank"), py::arg("copy_threads"), py::arg("device"),
-      py::arg("whole_units") = false,
+      py::arg("whole_units") = false, py::arg("kept") = false,
       "A load's plan: checkpoint tensors (units: dtype, ndim, sizes) streamed into this rank's shards (dests)");
   m.def(
       "refit_plan",

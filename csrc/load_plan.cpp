@@ -254,7 +254,7 @@ Plan make_load_plan(
   }
   plan.inputs = std::move(sources);
   plan.dests = std::move(dests);
-  plan.dest_keys = keys_of(plan.dests);
+  if (options.kept) plan.dest_keys = keys_of(plan.dests);  // one more pass over them, for kept plans only
   plan.ring_slots = std::min(options.ring_depth, num_buckets);
   plan.slot_bytes = num_buckets == 0 ? 0 : (num_buckets == 1 ? align_up(sizes[0], kAlign) : B);
   validate_load_table(plan);

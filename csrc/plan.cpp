@@ -467,6 +467,8 @@ Plan make_plan(
 }
 
 std::string Plan::check_unchanged() const {
+  TORCH_CHECK(dest_keys.size() == dests.size(), "check_unchanged on a load plan of ", dests.size(),
+              " destinations made without kept=True (their keys were not taken)");
   // A sync's or refit's inputs, a refit receiver's destinations: the tensors a kept plan's tables point into.
   auto check = [&](const std::vector<at::Tensor>& tensors, const std::vector<InputKey>& ks, bool dest) {
     const int64_t n = static_cast<int64_t>(std::min(tensors.size(), ks.size()));

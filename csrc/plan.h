@@ -201,6 +201,7 @@ struct LoadOptions {
   int64_t copy_threads = 1;
   c10::Device device{at::kCPU};  // the model's
   bool whole_units = false;      // a refit's stream: units that fit in a bucket do not cross one (units.h)
+  bool kept = false;             // run again after check_unchanged (a refit's receiver): keys of the dests taken
 };
 
 // A load of checkpoint tensors ("units") that one rank holds in full into the

@@ -86,3 +86,19 @@ def test_a_rank_whose_rows_do_not_match_is_refused_naming_the_tensor():
     units[0, :4] = torch.tensor([_dtype_code(torch.float32), 2, 7, 3])
     with pytest.raises(ValueError, match=r"tensor 0 \('w'\) on trainer rank 1.*12 elements.*rows \[4, 7\)"):
         _C.refit_plan(units, [torch.zeros(4, 3)], [1], 1, 2, 0, 4096, 2, 1, torch.device("cpu"), ["w"])
+
+
+def test_a_load_plan_checks_its_destinations_only_when_kept():
+    """A one-shot load's plan does not take its destinations' keys (a pass over every tensor that only a kept
+    plan needs); asked to check them anyway, it refuses rather than find nothing changed."""
+    units = torch.zeros((1, 10), dtype=torch.int64)
+    units[0, 0], units[0, 1], units[0, 2] = _dtype_code(torch.float32), 1, 8
+    dest = torch.zeros(8)
+    meta = torch.zeros((1, 9), dtype=torch.int64)
+    kept = _C.load_plan(units, [], [dest], meta, 4096, 2, 0, 1, torch.device("cpu"), kept=True)
+    assert kept.check_unchanged() == ""
+    dest.resize_(16)  # re-allocated: the kept plan's tables would point into freed memory
+    assert "re-allocated" in kept.check_unchanged() or "changed shape" in kept.check_unchanged()
+    once = _C.load_plan(units, [], [torch.zeros(8)], meta, 4096, 2, 0, 1, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="without kept=True"):
+        once.check_unchanged()

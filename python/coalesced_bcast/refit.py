@@ -497,7 +497,7 @@ class RefitReceiver:
                     dest_keys.append(key)
                     dest_rows.append([i] + [0] * 8)
             self._plan = _C.load_plan(units, [], dests, _int64_table(dest_rows, 9), bucket_bytes, self.ring_depth,
-                                      rank, 1, self.device, whole_units=True)
+                                      rank, 1, self.device, whole_units=True, kept=True)
         except (TypeError, ValueError, RuntimeError) as e:
             return str(e)
         self._meta = meta
