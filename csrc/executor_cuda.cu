@@ -310,7 +310,7 @@ class CudaExecutor final : public Executor {
     }
     uint8_t* host = host_ring_.data_ptr<uint8_t>() + s * plan_.slot_bytes;
     // The copy that last read this pinned slot must be done; it may wait on a broadcast, hence the deadline.
-    if (host_used_[s] && !wait_host(host_free_[s])) {
+    if (host_used_[s] && !wait_event(host_free_[s], deadline_)) {
       TORCH_CHECK(false, "Timed out: bucket ", bucket, " could not be staged on rank ", rank_, " by the call's "
                   "deadline, as the copies before it wait for broadcasts that did not finish (a rank stalled, died "
                   "or called another collective)");
@@ -347,10 +347,6 @@ class CudaExecutor final : public Executor {
       send_done.block(caller_);
     }
     return copy_done;
-  }
-
-  bool wait_host(const at::cuda::CUDAEvent& done) const {
-    return wait_event(done, deadline_);
   }
 
   // Past the deadline, copies still queued may read the staging ring whenever their broadcasts end: its
