@@ -12,6 +12,7 @@
 #include "post_hooks.h"
 #include "refit_views.h"
 #include "plan.h"
+#include "tensor_list.h"
 #include "units.h"
 #include "verify.h"
 
@@ -61,6 +62,12 @@ LoadOptions load_options(int64_t bucket_bytes, int64_t ring_depth, int64_t rank,
   o.device = device;
   o.whole_units = whole_units;
   return o;
+}
+
+// A list of tensors, or a TensorList's tensors, taken out of it (it is single-use).
+std::vector<at::Tensor> tensors_of(const py::handle& h) {
+  if (py::isinstance<TensorList>(h)) return std::move(h.cast<TensorList&>().tensors);
+  return h.cast<std::vector<at::Tensor>>();
 }
 
 std::chrono::milliseconds to_timeout(double seconds) {
@@ -124,20 +131,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Per tensor a 64-bit hash of its bytes in logical order, then their digest (int64, on the tensors' device)");
   m.def("_check_corrupted_table", &check_corrupted_table, py::arg("plan"), py::arg("what"),
         "Test hook: validate_copy_table's message for a copy of the plan with one corrupted field ('' if none)");
+  py::class_<TensorList>(m, "TensorList", "Tensors held in C++ between two calls (csrc/tensor_list.h)")
+      .def("__len__", [](const TensorList& l) { return l.tensors.size(); })
+      .def(
+          "take",
+          [](const TensorList& l, const at::Tensor& rows) {
+            TORCH_CHECK_VALUE(rows.scalar_type() == at::kLong && rows.dim() == 1, "rows must be int64 [n], got ",
+                              rows.toString());
+            const auto r = rows.contiguous();
+            const auto n = static_cast<int64_t>(l.tensors.size());
+            TensorList out;
+            out.tensors.reserve(r.numel());
+            for (int64_t i = 0; i < r.numel(); ++i) {
+              const int64_t j = r.data_ptr<int64_t>()[i];
+              TORCH_CHECK_INDEX(j >= 0 && j < n, "row ", j, " of a list of ", n, " tensors");
+              out.tensors.push_back(l.tensors[j]);
+            }
+            return out;
+          },
+          py::arg("rows"), "A new list of the tensors at rows, in that order");
   m.def(
       "load_plan",
-      [](const at::Tensor& units, std::vector<at::Tensor> sources, std::vector<at::Tensor> dests,
-         const at::Tensor& dest_meta, int64_t bucket_bytes, int64_t ring_depth, int64_t rank, int64_t copy_threads,
-         c10::Device device, bool whole_units, bool kept) {
+      [](const at::Tensor& units, const py::object& sources, const py::object& dests, const at::Tensor& dest_meta,
+         int64_t bucket_bytes, int64_t ring_depth, int64_t rank, int64_t copy_threads, c10::Device device,
+         bool whole_units, bool kept) {
         auto o = load_options(bucket_bytes, ring_depth, rank, device, whole_units);
         o.copy_threads = copy_threads;
         o.kept = kept;
-        return make_load_plan(units, std::move(sources), std::move(dests), dest_meta, o);
+        return make_load_plan(units, tensors_of(sources), tensors_of(dests), dest_meta, o);
       },
       py::arg("units"), py::arg("sources"), py::arg("dests"), py::arg("dest_meta"), py::arg("bucket_bytes"),
       py::arg("ring_depth"), py::arg("rank"), py::arg("copy_threads"), py::arg("device"),
       py::arg("whole_units") = false, py::arg("kept") = false,
-      "A load's plan: checkpoint tensors (units: dtype, ndim, sizes) streamed into this rank's shards (dests)");
+      "A load's plan: checkpoint tensors (units: dtype, ndim, sizes) streamed into this rank's shards (dests); "
+      "sources and dests are lists of tensors or TensorLists, whose tensors the plan takes (they are left empty)");
   m.def(
       "refit_plan",
       [](const at::Tensor& units, std::vector<at::Tensor> locals, const std::vector<int64_t>& modes,
@@ -288,9 +315,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(csrc/post_hooks.h)");
   m.def("post_hooks_idle", &post_hooks_idle, py::arg("model"),
         "Whether every load_state_dict post-hook of the model and its children is idle_fsdp_hook");
-  m.def("describe_tensors", &describe_tensors, py::arg("tensors"), py::arg("device"),
-        "A load source's tensors: (table int64 [n, 2 + 8] of dtype, ndim, sizes; canonical index of each; "
-        "[(index, why)] for those that cannot be sent)");
+  m.def(
+      "describe_tensors",
+      [](std::vector<at::Tensor> tensors, c10::Device device) {
+        auto [table, canon, problems] = describe_tensors(tensors, device);
+        return std::make_tuple(table, canon, problems, TensorList{std::move(tensors)});
+      },
+      py::arg("tensors"), py::arg("device"),
+      "A load source's tensors: (table int64 [n, 2 + 8] of dtype, ndim, sizes; canonical index of each; "
+      "[(index, why)] for those that cannot be sent; the tensors as a TensorList, for load_plan)");
   py::class_<HostReads, std::shared_ptr<HostReads>>(
       m, "HostReads", "The copies of a load source's host memory still running after its broadcast returned")
       .def("wait", &HostReads::wait, py::call_guard<py::gil_scoped_release>(),

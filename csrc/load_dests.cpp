@@ -13,6 +13,7 @@
 #include "cast.h"
 #include "chunks.h"
 #include "copy_table.h"
+#include "tensor_list.h"
 
 namespace coalesced_bcast {
 namespace {
@@ -328,7 +329,7 @@ py::tuple load_dests(
     std::copy(tab + unit_rows[u] * kWidth, tab + (unit_rows[u] + 1) * kWidth, units_t.data_ptr<int64_t>() + u * kWidth);
     src_rows.data_ptr<int64_t>()[u] = unit_rows[u];
   }
-  return py::make_tuple(locals, meta_t, units_t, src_rows, cast_keys, problems);
+  return py::make_tuple(py::cast(TensorList{std::move(locals)}), meta_t, units_t, src_rows, cast_keys, problems);
 }
 
 std::tuple<std::vector<c10::Device>, int64_t> model_devices(const py::list& values, const py::handle& dtensor_type) {

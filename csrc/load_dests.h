@@ -22,7 +22,7 @@ constexpr const char* kKeyMark = "\x01key\x01";
 // coordinate on a 1-D mesh, ndim, size of a 1-D mesh), called once per mesh;
 // nd_box(mesh, placements, shape) -> (problem or None, offset or None, local
 // shape), for meshes of other than one dim.
-// Returns (local tensors, dest meta int64 [m, 1 + kMaxDims], units table
+// Returns (local tensors as a TensorList (tensor_list.h), dest meta int64 [m, 1 + kMaxDims], units table
 // int64 [U, 2 + kMaxDims], each unit's source row int64 [U], keys cast,
 // [(value index, message with kKeyMark for its key)]). A tensor named by two
 // keys is one destination that takes the last key's unit, in its first key's

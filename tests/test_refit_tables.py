@@ -102,3 +102,34 @@ def test_a_load_plan_checks_its_destinations_only_when_kept():
     once = _C.load_plan(units, [], [torch.zeros(8)], meta, 4096, 2, 0, 1, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="without kept=True"):
         once.check_unchanged()
+
+
+def test_tensor_lists_carry_a_load_sources_between_calls():
+    """describe_tensors hands its converted tensors on as a TensorList: take() reorders them (the units'
+    order), load_plan takes them out of it, and a row past its end raises instead of reading past it."""
+    cpu = torch.device("cpu")
+    sources = [torch.arange(4, dtype=torch.float32), torch.ones(3, 5, dtype=torch.float16), torch.zeros(7, dtype=torch.int64)]
+    table, canon, problems, held = _C.describe_tensors(sources, cpu)
+    assert problems == [] and len(held) == 3 and canon.tolist() == [0, 1, 2]
+    order = torch.tensor([2, 0], dtype=torch.int64)
+    taken = held.take(order)
+    assert len(taken) == 2 and len(held) == 3
+    with pytest.raises(IndexError, match="row 3 of a list of 3"):
+        held.take(torch.tensor([3], dtype=torch.int64))
+    plan = _C.load_plan(table[order], taken, [], torch.zeros((0, 9), dtype=torch.int64), 4096, 2, 0, 1, cpu)
+    assert len(taken) == 0  # the plan holds them now
+    assert plan.num_units_sent == 2 and plan.total_bytes == 7 * 8 + 4 * 4
+    with pytest.raises(ValueError, match="checkpoint tensor 0 on source rank 0 is Long of 7 elements"):
+        _C.load_plan(table[:1], held.take(order[:1]), [], torch.zeros((0, 9), dtype=torch.int64), 4096, 2, 0, 1, cpu)
+
+
+def test_the_load_metadata_crosses_as_raw_bytes():
+    from coalesced_bcast.state_dict import _from_wire, _to_wire
+    table = torch.randint(-2**40, 2**40, (5, 10), dtype=torch.int64)
+    meta = dict(keys=["a"], rows=torch.arange(5), table=table, canon=torch.zeros(0, dtype=torch.int64), fatal=None)
+    wire = _to_wire(meta)
+    assert all(isinstance(wire[k], tuple) for k in ("rows", "table", "canon")) and meta["table"] is table
+    back = _from_wire(wire)
+    assert torch.equal(back["table"], table) and torch.equal(back["rows"], torch.arange(5))
+    assert back["canon"].shape == (0,) and back["canon"].dtype == torch.int64 and back["keys"] == ["a"]
+    assert _from_wire(_to_wire(dict(fatal="x", rows=None)))["rows"] is None
