@@ -330,9 +330,12 @@ class Bench:
         """One more load under torch.profiler; rank 0 writes where the GPU time went, per stream, and the
         host's longest waits (args.trace/<what>.txt)."""
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
+        from profile_load import phase_ranges
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, phase_ranges():
+            with torch.profiler.record_function("load"):
+                fn()
+            with torch.profiler.record_function("synchronize"):
+                torch.cuda.synchronize()
         if self.rank != 0:
             return
         os.makedirs(self.args.trace, exist_ok=True)
@@ -345,6 +348,16 @@ class Bench:
         t0 = min(e["ts"] for e in gpu) if gpu else 0
         t1 = max(e["ts"] + e["dur"] for e in gpu) if gpu else 0
         lines.append(f"GPU span {(t1 - t0) / 1e3:.2f} ms")
+        # The host's phases against the GPU's span: what the host did before the first GPU op and after the last.
+        ranges = sorted((e for e in events if e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
+        load = next((e for e in ranges if e["name"] == "load"), None)
+        if load is not None and gpu:
+            h0 = load["ts"]
+            lines.append(f"timeline (ms from the load's start): first GPU op {(t0 - h0) / 1e3:.2f}, last GPU op ends "
+                         f"{(t1 - h0) / 1e3:.2f}, load returns {load['dur'] / 1e3:.2f}")
+            for e in ranges:
+                if e is not load:
+                    lines.append(f"    {e['name']:18s} {(e['ts'] - h0) / 1e3:8.2f} .. {(e['ts'] + e['dur'] - h0) / 1e3:8.2f}")
         by_stream: dict = {}
         for e in gpu:
             by_stream.setdefault(e["args"].get("stream"), []).append(e)

@@ -5,7 +5,7 @@ For N small tensors (64 KiB each, on the GPU when there is one): building the pl
 plan's `check_unchanged`, best and median of `--iters`, in ns per tensor. The tensors are made as
 a model's would be: interleaved with other allocations, so their TensorImpls are not back to back.
 
-    python bench/plan_host.py --counts 4096,16384,65536 --out plan_host.jsonl [--label new]
+    python bench/plan_host.py --counts 4096,16384,65536 --out plan_host.jsonl [--label new] [--cold]
 """
 from __future__ import annotations
 
@@ -27,9 +27,11 @@ except ImportError:
 from coalesced_bcast.sync import DEFAULT_BUCKET_BYTES, DEFAULT_RING_DEPTH  # noqa: E402
 
 
-def timed(fn, iters: int) -> list[float]:
+def timed(fn, iters: int, before=None) -> list[float]:
     out = []
     for _ in range(iters):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
@@ -42,6 +44,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--elems", type=int, default=32768, help="bf16 elements per tensor")
     p.add_argument("--interop", type=int, default=0, help="torch inter-op threads (0: torch's default)")
+    p.add_argument("--cold", action="store_true", help="sweep 256 MiB of host memory before each timed call, so "
+                   "that the tensors' objects are out of the caches as on a one-shot call (else warm from the last)")
     p.add_argument("--label", default="")
     p.add_argument("--out", default="")
     a = p.parse_args()
@@ -57,10 +61,12 @@ def main() -> None:
             other.append(torch.empty(1))  # other host objects between the tensors' own
         opts = (DEFAULT_BUCKET_BYTES, DEFAULT_RING_DEPTH, 4 << 20, 1 << 30, 0)
         plan = _C.Plan(ts, [], *opts)
-        make = timed(lambda: _C.Plan(ts, [], *opts), a.iters)
-        check = timed(plan.check_unchanged, a.iters)
+        sweep = torch.empty(256 << 20, dtype=torch.uint8) if a.cold else None
+        evict = (lambda: sweep.add_(1)) if a.cold else None
+        make = timed(lambda: _C.Plan(ts, [], *opts), a.iters, evict)
+        check = timed(plan.check_unchanged, a.iters, evict)
         assert plan.check_unchanged() == ""
-        row = {"case": "plan_host", "label": a.label, "package": os.path.dirname(_C.__file__), "tensors": n, "device": str(device),
+        row = {"case": "plan_host", "label": a.label, "cold": a.cold, "package": os.path.dirname(_C.__file__), "tensors": n, "device": str(device),
                "torch": torch.__version__, "interop_threads": torch.get_num_interop_threads(),
                "cpu_count": os.cpu_count(),
                "plan_ns_per_tensor_best": min(make) / n * 1e9,

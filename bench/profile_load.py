@@ -70,6 +70,28 @@ PHASES = ["_model_device", "_describe_source", "_broadcast_meta", "_plan_local",
 
 
 @contextlib.contextmanager
+def phase_ranges():
+    """Inside: each of state_dict.py's phases (and the model's state_dict()) runs under a profiler range of its
+    own name, so that a torch.profiler trace shows where the host was while the GPU worked."""
+    from coalesced_bcast import state_dict as S
+    originals = {name: getattr(S, name) for name in PHASES + ["_walk_modules"]}
+
+    def ranged(name, fn):
+        def run(*a, **kw):
+            with torch.profiler.record_function(name):
+                return fn(*a, **kw)
+        return run
+
+    for name, fn in originals.items():
+        setattr(S, name, ranged(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(S, name, fn)
+
+
+@contextlib.contextmanager
 def phase_timers():
     """Inside: state_dict.py's phases wrapped with timers; yields {phase: seconds}, summed over the loads
     made inside (bench/fsdp2_load.py --phases uses it too)."""

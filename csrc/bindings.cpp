@@ -4,6 +4,15 @@
 
 #include <c10/core/DeviceGuard.h>
 
+#include <exception>
+#include <functional>
+#include <optional>
+#include <thread>
+#include <utility>
+
+#include <torch/csrc/autograd/python_variable.h>
+
+#include "chunks.h"
 #include "executor.h"
 #include "host_stage.h"
 #include "host_wait.h"
@@ -21,8 +30,34 @@ using namespace coalesced_bcast;
 
 namespace {
 
+// The tensors of a Python list or tuple, in one pass that prefetches ahead:
+// each item's PyObject, then the TensorImpl it holds (taking a reference
+// writes there). pybind's own conversion touches one cold object after the
+// other and waits on memory at each (a model's tensors were made between other
+// allocations): at 16k tensors that was most of a one-shot plan's host time.
+std::vector<at::Tensor> tensors_from(const py::handle& seq, const char* what) {
+  PyObject* o = seq.ptr();
+  if (!PyList_Check(o) && !PyTuple_Check(o)) return seq.cast<std::vector<at::Tensor>>();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+  PyObject** items = PySequence_Fast_ITEMS(o);
+  constexpr Py_ssize_t kAhead = 16;
+  std::vector<at::Tensor> out;
+  out.reserve(n);
+  for (Py_ssize_t i = 0; i < std::min(n, 2 * kAhead); ++i) prefetch_object(items[i]);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (i + 2 * kAhead < n) prefetch_object(items[i + 2 * kAhead]);
+    if (i + kAhead < n && THPVariable_Check(items[i + kAhead])) {
+      prefetch_impl(THPVariable_Unpack(items[i + kAhead]).unsafeGetTensorImpl());
+    }
+    PyObject* t = items[i];
+    TORCH_CHECK_TYPE(THPVariable_Check(t), what, " ", i, " is a ", Py_TYPE(t)->tp_name, ", not a torch.Tensor");
+    out.push_back(THPVariable_Unpack(t));
+  }
+  return out;
+}
+
 Plan build_plan(
-    std::vector<at::Tensor> tensors,
+    const py::handle& tensors,
     const std::vector<std::string>& names,
     int64_t bucket_bytes,
     int64_t ring_depth,
@@ -37,7 +72,7 @@ Plan build_plan(
   o.coalesce_bytes = coalesce_bytes;
   o.rank = rank;
   o.small_inplace_max = small_inplace_max;
-  return make_plan(std::move(tensors), names, o);
+  return make_plan(tensors_from(tensors, "tensor"), names, o);
 }
 
 // Per bucket: (unique index, tensor offset, bucket offset, bytes, strided).
@@ -67,8 +102,52 @@ LoadOptions load_options(int64_t bucket_bytes, int64_t ring_depth, int64_t rank,
 // A list of tensors, or a TensorList's tensors, taken out of it (it is single-use).
 std::vector<at::Tensor> tensors_of(const py::handle& h) {
   if (py::isinstance<TensorList>(h)) return std::move(h.cast<TensorList&>().tensors);
-  return h.cast<std::vector<at::Tensor>>();
+  return tensors_from(h, "item");
 }
+
+// A load's plan made on a thread of its own while the caller goes on (state_dict.py judges FSDP2's
+// post-hooks meanwhile, under the GIL: at 16k keys each costs ~10 ms). The arguments were converted
+// under the GIL; planning reads only tensors. result() waits without the GIL and raises what planning
+// raised.
+class PendingPlan {
+ public:
+  explicit PendingPlan(std::function<Plan()> make)
+      : thread_([this, make = std::move(make)] {
+          try {
+            plan_.emplace(make());
+          } catch (...) {
+            error_ = std::current_exception();
+          }
+        }) {}
+  PendingPlan(const PendingPlan&) = delete;
+  PendingPlan& operator=(const PendingPlan&) = delete;
+  ~PendingPlan() {  // one dropped unread: joined without the GIL, which the thread may take to let tensors go
+    if (!thread_.joinable()) return;
+    if (PyGILState_Check()) {
+      py::gil_scoped_release release;
+      thread_.join();
+    } else {
+      thread_.join();
+    }
+  }
+
+  Plan result() {
+    if (thread_.joinable()) {
+      py::gil_scoped_release release;
+      thread_.join();
+    }
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+    TORCH_CHECK_VALUE(plan_.has_value(), "a pending plan's result is taken once");
+    Plan plan = std::move(*plan_);
+    plan_.reset();
+    return plan;
+  }
+
+ private:
+  std::optional<Plan> plan_;
+  std::exception_ptr error_;
+  std::thread thread_;  // last: it starts once the members it writes exist
+};
 
 std::chrono::milliseconds to_timeout(double seconds) {
   return seconds > 0 ? std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)) : c10d::kUnsetTimeout;
@@ -165,6 +244,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("whole_units") = false, py::arg("kept") = false,
       "A load's plan: checkpoint tensors (units: dtype, ndim, sizes) streamed into this rank's shards (dests); "
       "sources and dests are lists of tensors or TensorLists, whose tensors the plan takes (they are left empty)");
+  py::class_<PendingPlan>(m, "PendingPlan", "A load plan being made on a thread of its own")
+      .def("result", &PendingPlan::result, "The plan, once made (waits for it)");
+  m.def(
+      "start_load_plan",
+      [](const at::Tensor& units, const py::object& sources, const py::object& dests, const at::Tensor& dest_meta,
+         int64_t bucket_bytes, int64_t ring_depth, int64_t rank, int64_t copy_threads, c10::Device device) {
+        auto o = load_options(bucket_bytes, ring_depth, rank, device, /*whole_units=*/false);
+        o.copy_threads = copy_threads;
+        return std::make_unique<PendingPlan>(
+            [units, src = tensors_of(sources), dst = tensors_of(dests), dest_meta, o]() mutable {
+              return make_load_plan(units, std::move(src), std::move(dst), dest_meta, o);
+            });
+      },
+      py::arg("units"), py::arg("sources"), py::arg("dests"), py::arg("dest_meta"), py::arg("bucket_bytes"),
+      py::arg("ring_depth"), py::arg("rank"), py::arg("copy_threads"), py::arg("device"),
+      "load_plan on a thread of its own: a PendingPlan, whose result() is the plan");
   m.def(
       "refit_plan",
       [](const at::Tensor& units, std::vector<at::Tensor> locals, const std::vector<int64_t>& modes,
@@ -304,12 +399,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The first i with owners[i][keys[i]] not tensors[i], or -1");
   m.def("load_dests", &load_dests, py::arg("values"), py::arg("rows"), py::arg("table"), py::arg("canon_rows"),
         py::arg("owned_ids"), py::arg("dtensor_type"), py::arg("shard_type"), py::arg("replicate_type"),
-        py::arg("mesh_facts"), py::arg("nd_box"), py::arg("rank"),
+        py::arg("mesh_facts"), py::arg("nd_box"), py::arg("device"), py::arg("rank"),
         "A load's model side: per kept state-dict value its unit, this rank's local tensor and box offset, the "
         "keys cast, and what is wrong (csrc/load_dests.h)");
   m.attr("key_mark") = kKeyMark;
-  m.def("model_devices", &model_devices, py::arg("values"), py::arg("dtensor_type"),
-        "The distinct devices of the tensors (DTensors: local tensors) with elements, and the first on meta (-1)");
+  m.def("first_device", &first_device, py::arg("values"), py::arg("dtensor_type"),
+        "The device of the first tensor (DTensors: local tensor) with elements or on meta, and its index (-1: none)");
   m.def("idle_fsdp_hook", &idle_fsdp_hook, py::arg("module"), py::arg("hook"),
         "Whether a load_state_dict post-hook is FSDP2's and would do nothing after an in-place load "
         "(csrc/post_hooks.h)");
@@ -317,7 +412,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether every load_state_dict post-hook of the model and its children is idle_fsdp_hook");
   m.def(
       "describe_tensors",
-      [](std::vector<at::Tensor> tensors, c10::Device device) {
+      [](const py::handle& list, c10::Device device) {
+        auto tensors = tensors_from(list, "tensor");
         auto [table, canon, problems] = describe_tensors(tensors, device);
         return std::make_tuple(table, canon, problems, TensorList{std::move(tensors)});
       },

@@ -103,30 +103,25 @@ constexpr int64_t kGroup = 16;
 // time waits on memory at every hop). Passes over all values at once do not
 // help: by a pass's end the first values' objects are out of the cache again
 // (post_hooks.cpp measured both).
-void gather(const py::list& values, int64_t begin, int64_t end, const py::set* owned_ids,
-            const py::handle& dtensor_type, bool whole_chain, std::vector<ValueFacts>& facts) {
+void gather(const py::list& values, int64_t begin, int64_t end, const py::set& owned_ids,
+            const py::handle& dtensor_type, std::vector<ValueFacts>& facts) {
   for (int64_t i = begin; i < end; ++i) prefetch_object(PyList_GET_ITEM(values.ptr(), i));
   for (int64_t i = begin; i < end; ++i) {
     PyObject* v = PyList_GET_ITEM(values.ptr(), i);
     auto& f = facts[i];
     f.tensor = THPVariable_Check(v);
     if (!f.tensor) continue;
-    if (owned_ids != nullptr) {
-      py::object id = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(v));
-      f.owned = PySet_Contains(owned_ids->ptr(), id.ptr()) == 1;
-    }
+    py::object id = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(v));
+    f.owned = PySet_Contains(owned_ids.ptr(), id.ptr()) == 1;
     const int is_dtensor = PyObject_IsInstance(v, dtensor_type.ptr());
     if (is_dtensor < 0) throw py::error_already_set();
     f.dtensor = is_dtensor == 1;
     if (!f.dtensor) continue;
     f.local = attr(v, "_local_tensor");
     prefetch_object(f.local.ptr());
-    if (whole_chain) {
-      f.spec = attr(v, "_spec");
-      prefetch_object(f.spec.ptr());
-    }
+    f.spec = attr(v, "_spec");
+    prefetch_object(f.spec.ptr());
   }
-  if (!whole_chain) return;
   for (int64_t i = begin; i < end; ++i) {
     auto& f = facts[i];
     if (!f.spec) continue;
@@ -172,6 +167,7 @@ py::tuple load_dests(
     const py::handle& replicate_type,
     const py::function& mesh_facts,
     const py::function& nd_box,
+    c10::Device device,
     int64_t rank) {
   const auto n = static_cast<int64_t>(values.size());
   TORCH_CHECK_VALUE(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.numel() == n, "rows must be int64 [",
@@ -204,7 +200,7 @@ py::tuple load_dests(
   std::vector<ValueFacts> facts(n);
   for (int64_t g0 = 0; g0 < n; g0 += kGroup) {
     const int64_t g1 = std::min(n, g0 + kGroup);
-    gather(values, g0, g1, &owned_ids, dtensor_type, /*whole_chain=*/true, facts);
+    gather(values, g0, g1, owned_ids, dtensor_type, facts);
     prefetch_impls(values, facts, g0, g1);
     for (int64_t i = g0; i < g1; ++i) {
       PyObject* v = PyList_GET_ITEM(values.ptr(), i);
@@ -309,6 +305,18 @@ py::tuple load_dests(
           continue;
         }
       }
+      // The model's device is its first tensor's (first_device): the others are checked here, as they are read.
+      if (local.is_meta()) {
+        problem(i, key + " is on the meta device: materialize the model first (model.to_empty(device=...))");
+        continue;
+      }
+      if (local.numel() > 0 && local.device() != device) {
+        std::ostringstream s;
+        s << key << " is on " << local.device() << ", the model's first tensor on " << device
+          << ": load_full_state_dict needs the model on one device";
+        problem(i, s.str());
+        continue;
+      }
       auto [dest, fresh] = dest_of.find_or_add(v, locals.size());
       if (fresh) {
         locals.push_back(local);
@@ -332,27 +340,19 @@ py::tuple load_dests(
   return py::make_tuple(py::cast(TensorList{std::move(locals)}), meta_t, units_t, src_rows, cast_keys, problems);
 }
 
-std::tuple<std::vector<c10::Device>, int64_t> model_devices(const py::list& values, const py::handle& dtensor_type) {
-  std::vector<c10::Device> devices;
+std::tuple<std::optional<c10::Device>, int64_t> first_device(const py::list& values, const py::handle& dtensor_type) {
   const auto n = static_cast<int64_t>(values.size());
-  std::vector<ValueFacts> facts(n);
-  for (int64_t g0 = 0; g0 < n; g0 += kGroup) {
-    const int64_t g1 = std::min(n, g0 + kGroup);
-    gather(values, g0, g1, nullptr, dtensor_type, /*whole_chain=*/false, facts);
-    prefetch_impls(values, facts, g0, g1);
-    for (int64_t i = g0; i < g1; ++i) {
-      const auto& f = facts[i];
-      if (!f.tensor) continue;  // extra state, or anything else a state_dict hook put there
-      PyObject* o = f.dtensor ? f.local.ptr() : PyList_GET_ITEM(values.ptr(), i);
-      if (!THPVariable_Check(o)) continue;
-      const at::Tensor& t = THPVariable_Unpack(o);
-      if (t.is_meta()) return {devices, i};
-      if (t.numel() > 0 && std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
-        devices.push_back(t.device());
-      }
-    }
+  for (int64_t i = 0; i < n; ++i) {
+    PyObject* v = PyList_GET_ITEM(values.ptr(), i);
+    if (!THPVariable_Check(v)) continue;  // extra state, or anything else a state_dict hook put there
+    const int is_dtensor = PyObject_IsInstance(v, dtensor_type.ptr());
+    if (is_dtensor < 0) throw py::error_already_set();
+    py::object local = is_dtensor == 1 ? attr(v, "_local_tensor") : py::reinterpret_borrow<py::object>(v);
+    if (!THPVariable_Check(local.ptr())) continue;
+    const at::Tensor& t = THPVariable_Unpack(local.ptr());
+    if (t.is_meta() || t.numel() > 0) return {t.device(), i};
   }
-  return {devices, -1};
+  return {std::nullopt, -1};
 }
 
 }  // namespace coalesced_bcast

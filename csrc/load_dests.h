@@ -6,6 +6,8 @@
 
 #include <torch/extension.h>
 
+#include <optional>
+
 namespace coalesced_bcast {
 
 namespace py = pybind11;
@@ -21,7 +23,8 @@ constexpr const char* kKeyMark = "\x01key\x01";
 // Shard and Replicate types; mesh_facts(mesh) -> (is this rank in it, its
 // coordinate on a 1-D mesh, ndim, size of a 1-D mesh), called once per mesh;
 // nd_box(mesh, placements, shape) -> (problem or None, offset or None, local
-// shape), for meshes of other than one dim.
+// shape), for meshes of other than one dim; device: the model's (first_device),
+// which every local tensor with elements must be on, none on meta.
 // Returns (local tensors as a TensorList (tensor_list.h), dest meta int64 [m, 1 + kMaxDims], units table
 // int64 [U, 2 + kMaxDims], each unit's source row int64 [U], keys cast,
 // [(value index, message with kKeyMark for its key)]). A tensor named by two
@@ -38,10 +41,13 @@ py::tuple load_dests(
     const py::handle& replicate_type,
     const py::function& mesh_facts,
     const py::function& nd_box,
+    c10::Device device,
     int64_t rank);
 
-// The devices (distinct, in order of appearance) that the tensors among `values` (DTensors: their local
-// tensors) with elements are on, and the index of the first one on the meta device (-1: none).
-std::tuple<std::vector<c10::Device>, int64_t> model_devices(const py::list& values, const py::handle& dtensor_type);
+// The device of the first tensor among `values` (DTensors: their local
+// tensors) that has elements or is on the meta device, and its index; (none,
+// -1) if there is none. load_dests checks every loaded tensor against it: a
+// pass over the values of its own cost as much as a key's checks there.
+std::tuple<std::optional<c10::Device>, int64_t> first_device(const py::list& values, const py::handle& dtensor_type);
 
 }  // namespace coalesced_bcast

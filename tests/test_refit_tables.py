@@ -123,6 +123,25 @@ def test_tensor_lists_carry_a_load_sources_between_calls():
         _C.load_plan(table[:1], held.take(order[:1]), [], torch.zeros((0, 9), dtype=torch.int64), 4096, 2, 0, 1, cpu)
 
 
+def test_a_load_plan_made_on_its_own_thread():
+    """start_load_plan plans on a thread while the caller goes on: result() gives the plan load_plan would,
+    raises what planning raised (a source that does not match its entry), and is taken once."""
+    cpu = torch.device("cpu")
+    sources = [torch.arange(4, dtype=torch.float32), torch.zeros(7, dtype=torch.int64)]
+    table, _, _, held = _C.describe_tensors(sources, cpu)
+    none = torch.zeros((0, 9), dtype=torch.int64)
+    pending = _C.start_load_plan(table, held, [], none, 4096, 2, 0, 1, cpu)
+    assert len(held) == 0  # taken before the thread starts
+    plan = pending.result()
+    assert plan.num_units_sent == 2 and plan.total_bytes == 4 * 4 + 7 * 8
+    with pytest.raises(ValueError, match="taken once"):
+        pending.result()
+    bad = _C.start_load_plan(table[1:], [sources[0]], [], none, 4096, 2, 0, 1, cpu)
+    with pytest.raises(ValueError, match="checkpoint tensor 0 on source rank 0 is Float of 4 elements"):
+        bad.result()
+    _C.start_load_plan(table, sources, [], none, 4096, 2, 0, 1, cpu)  # dropped unread: its thread is joined
+
+
 def test_the_load_metadata_crosses_as_raw_bytes():
     from coalesced_bcast.state_dict import _from_wire, _to_wire
     table = torch.randint(-2**40, 2**40, (5, 10), dtype=torch.int64)

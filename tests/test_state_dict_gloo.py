@@ -292,6 +292,15 @@ def check_errors(rank: int, ws: int) -> None:
     else:
         unmade = model
     expect_error(lambda: load_full_state_dict(unmade, sd if rank == 0 else None, **SMALL), "meta device", "to_empty")
+    # One tensor left on meta past the first (the device comes from the first; each loaded one is checked):
+    # named, refused on every rank, nothing written anywhere.
+    half = build_plain(rank)
+    if rank == ws - 1:
+        half.l1.bias = nn.Parameter(torch.empty(7, device="meta"))
+    half_before = snapshot(half)
+    expect_error(lambda: load_full_state_dict(half, sd if rank == 0 else None, **SMALL), f"rank {ws - 1}",
+                 '"l1.bias" is on the meta device', "to_empty")
+    assert all(same_bits(half_before[k], v) for k, v in snapshot(half).items() if not v.is_meta), f"rank {rank}: written"
     unchanged("errors")
 
     # A model that differs on one rank: strict names the key there, non-strict still refuses everywhere.

@@ -161,7 +161,8 @@ def load_full_state_dict(
             try:
                 for obj, mod in plan.extras:
                     mod.set_extra_state(obj)
-                _run_post_hooks(model, plan.missing, plan.unexpected)  # they may edit the lists, as load_state_dict
+                if not plan.hooks_idle:
+                    _run_post_hooks(model, plan.missing, plan.unexpected)  # they may edit the lists, as load_state_dict
             except Exception as e:
                 if not strict_after_hooks:
                     raise
@@ -217,16 +218,14 @@ def _walk_modules(model: nn.Module) -> tuple[dict[str, nn.Module], set[int]]:
 
 def _model_device(model_sd: Mapping[str, Any], extra: Mapping[str, nn.Module],
                   pg: dist.ProcessGroup) -> torch.device:
+    """The device of the model's first tensor with elements; load_dests checks each loaded tensor against it."""
     keys = [k for k in model_sd if k not in extra] if extra else list(model_sd)
     values = [model_sd[k] for k in keys] if extra else list(model_sd.values())
-    devices, meta = _C.model_devices(values, DTensor)  # one C++ pass over the values
-    if meta >= 0:
-        raise ValueError(f"'{keys[meta]}' is on the meta device: materialize the model first "
+    device, index = _C.first_device(values, DTensor)
+    if device is not None and device.type == "meta":
+        raise ValueError(f"'{keys[index]}' is on the meta device: materialize the model first "
                          f"(model.to_empty(device=...))")
-    if len(devices) > 1:
-        raise ValueError(f"the model's tensors are on several devices ({sorted(map(str, devices))}); "
-                         f"load_full_state_dict needs them on one")
-    device = devices[0] if devices else _control_device(pg)
+    device = device if device is not None else _control_device(pg)
     backend = str(dist.get_backend(pg))
     if device.type == "cpu" and "gloo" not in backend:
         raise ValueError(f"the model is on the CPU but the group's backend is {backend}: use a gloo group")
@@ -399,7 +398,8 @@ class _Plan:
         self.digest = 0
         self.tensors = 0  # distinct checkpoint tensors with bytes
         self.total = 0  # their bytes
-        self.core = None  # _C.load_plan(...)
+        self.core = None  # the engine's plan (_C.start_load_plan(...).result())
+        self.hooks_idle = False  # every post-hook judged idle while the plan was made (_plan_keys)
         self.ring_bytes = 0
         self.host_ring_bytes = 0
 
@@ -446,7 +446,7 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
 
     local, meta_t, units_t, unit_src_rows, plan.cast_keys, problems = _C.load_dests(
         values, value_rows, meta["table"], meta["canon"], owned, DTensor, Shard,
-        Replicate, mesh_facts, nd_box, rank)
+        Replicate, mesh_facts, nd_box, device, rank)
     plan.errors += [msg.replace(_C.key_mark, value_keys[i]) for i, msg in problems]
     plan.num_keys = len(load_keys)
     plan.digest = _digest(load_keys, extra)
@@ -461,8 +461,14 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
         sources = src_tensors if in_order else src_tensors.take(unit_src_rows)
     if copy_threads is None:
         copy_threads = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    plan.core = _C.load_plan(units_t, sources, local, meta_t, bucket_bytes, ring_depth, rank, max(1, int(copy_threads)),
-                             device)
+    pending = _C.start_load_plan(units_t, sources, local, meta_t, bucket_bytes, ring_depth, rank,
+                                 max(1, int(copy_threads)), device)
+    # Meanwhile, whether FSDP2's post-hooks would all do nothing after the in-place writes (the Python objects
+    # they read, under the GIL, while the plan is made beside): the writes change no object a hook reads,
+    # set_extra_state (plan.extras) may.
+    if not plan.extras and os.environ.get("COALESCED_BCAST_RUN_ALL_POST_HOOKS") != "1":
+        plan.hooks_idle = _C.post_hooks_idle(model)
+    plan.core = pending.result()
     plan.tensors, plan.total = plan.core.num_units_sent, plan.core.total_bytes
 
 
