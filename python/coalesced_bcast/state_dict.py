@@ -161,8 +161,8 @@ def load_full_state_dict(
             try:
                 for obj, mod in plan.extras:
                     mod.set_extra_state(obj)
-                if not plan.hooks_idle:
-                    _run_post_hooks(model, plan.missing, plan.unexpected)  # they may edit the lists, as load_state_dict
+                # They may edit the lists, as load_state_dict's.
+                _run_post_hooks(model, plan.missing, plan.unexpected, None if plan.extras else plan.hooks_idle)
             except Exception as e:
                 if not strict_after_hooks:
                     raise
@@ -399,7 +399,7 @@ class _Plan:
         self.tensors = 0  # distinct checkpoint tensors with bytes
         self.total = 0  # their bytes
         self.core = None  # the engine's plan (_C.start_load_plan(...).result())
-        self.hooks_idle = False  # every post-hook judged idle while the plan was made (_plan_keys)
+        self.hooks_idle: Optional[bool] = None  # whether every post-hook is idle, judged while the plan was made
         self.ring_bytes = 0
         self.host_ring_bytes = 0
 
@@ -466,7 +466,7 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
     # Meanwhile, whether FSDP2's post-hooks would all do nothing after the in-place writes (the Python objects
     # they read, under the GIL, while the plan is made beside): the writes change no object a hook reads,
     # set_extra_state (plan.extras) may.
-    if not plan.extras and os.environ.get("COALESCED_BCAST_RUN_ALL_POST_HOOKS") != "1":
+    if not plan.extras and not _run_all_post_hooks():
         plan.hooks_idle = _C.post_hooks_idle(model)
     plan.core = pending.result()
     plan.tensors, plan.total = plan.core.num_units_sent, plan.core.total_bytes
@@ -705,13 +705,21 @@ def _transfer(plan: _Plan, pg: dist.ProcessGroup, src_g: int, is_src: bool, time
     return core.num_buckets, out[3] if leave else None
 
 
-def _run_post_hooks(model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
+def _run_all_post_hooks() -> bool:
+    return os.environ.get("COALESCED_BCAST_RUN_ALL_POST_HOOKS") == "1"  # the bench's A/B switch
+
+
+def _run_post_hooks(model: nn.Module, missing: list[str], unexpected: list[str],
+                    all_idle: Optional[bool] = None) -> None:
     """load_state_dict's post-hooks, in its order (children first), but for FSDP2's that would do nothing
     after the in-place writes (csrc/post_hooks.h). Where every hook is such, none runs (one C++ walk);
-    else each is judged when its turn comes (an earlier hook may have replaced its parameter)."""
+    else each is judged when its turn comes (an earlier hook may have replaced its parameter). all_idle: that walk's
+    verdict where it was already made (_plan_keys), so that it does not run twice."""
     from torch.nn.modules.module import _IncompatibleKeys
-    run_all = os.environ.get("COALESCED_BCAST_RUN_ALL_POST_HOOKS") == "1"  # the bench's A/B switch
-    if not run_all and _C.post_hooks_idle(model):
+    run_all = _run_all_post_hooks()
+    if all_idle is None:  # not judged while planning (or set_extra_state ran since)
+        all_idle = not run_all and _C.post_hooks_idle(model)
+    if all_idle:
         return
 
     def visit(m: nn.Module) -> None:
