@@ -19,6 +19,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import coalesced_bcast  # noqa: E402
@@ -71,6 +72,39 @@ def moe_state(layers: int, hidden: int, inter: int, experts: int, vocab: int) ->
     return out + [("norm", torch.float32, (hidden,), None), ("head", torch.bfloat16, (vocab, hidden), None)]
 
 
+def moe_hf_state(layers: int, hidden: int, inter: int, experts: int) -> list:
+    """A Mixture-of-Experts decoder shaped as Hugging Face builds Qwen3-MoE (a module per expert matrix:
+    model.layers.{i}.mlp.experts.{e}.gate_proj.weight), small matrices: ~3 tensors per expert, ~19k tensors
+    in ~40k modules at 48 layers of 128 experts. Synced as a module (module_of), where walking the tree is
+    part of a one-shot sync's host cost."""
+    out = []
+    for i in range(layers):
+        at = f"model.layers.{i}"
+        out += [(f"{at}.self_attn.{n}_proj.weight", torch.bfloat16, (hidden, hidden), None) for n in "qkvo"]
+        out += [(f"{at}.input_layernorm.weight", torch.bfloat16, (hidden,), None),
+                (f"{at}.post_attention_layernorm.weight", torch.bfloat16, (hidden,), None),
+                (f"{at}.mlp.gate.weight", torch.bfloat16, (experts, hidden), None)]
+        for e in range(experts):
+            out += [(f"{at}.mlp.experts.{e}.{n}.weight", torch.bfloat16, shape, None)
+                    for n, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
+                                     ("down_proj", (hidden, inter)))]
+    return out + [("model.norm.weight", torch.bfloat16, (hidden,), None)]
+
+
+def module_of(spec: list, tensors: list) -> nn.Module:
+    """The tensors as a module tree by their dotted names (parameters share the tensors' storage)."""
+    root = nn.Module()
+    for (name, *_), t in zip(spec, tensors):
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if part not in m._modules:
+                m.add_module(part, nn.Module())
+            m = m._modules[part]
+        m.register_parameter(leaf, nn.Parameter(t, requires_grad=False))
+    return root
+
+
 def cnn_state(blocks: int, width: int) -> list:
     """A CNN in channels_last (non-contiguous 4-D weights) with batch norms: weight, bias, two running
     statistics and an int64 counter per norm."""
@@ -91,6 +125,7 @@ def cases(on_gpu: bool) -> dict:
             "mixed": mixed_state(layers=16, hidden=4096),
             "moe": moe_state(layers=16, hidden=2048, inter=1408, experts=32, vocab=32000),
             "cnn": cnn_state(blocks=36, width=128),
+            "moe_hf": moe_hf_state(layers=48, hidden=512, inter=128, experts=128),
             "scale1G": llama_layers_bytes(2),
             "scale4G": llama_layers_bytes(9),
             "scale15G": llama_layers_bytes(35),
@@ -103,6 +138,7 @@ def cases(on_gpu: bool) -> dict:
         "mixed": mixed_state(layers=2, hidden=128, fp8=torch.int8),  # gloo has no float8
         "moe": moe_state(layers=2, hidden=64, inter=48, experts=8, vocab=500),
         "cnn": cnn_state(blocks=8, width=16),
+        "moe_hf": moe_hf_state(layers=4, hidden=32, inter=16, experts=32),
         "scale1G": [(f"w{i}", torch.bfloat16, s, None) for i, s in
                     enumerate(llama8b_shapes(layers=1, hidden=256, inter=896, kv=64, vocab=8)[1:-2])],
         "scale4G": [(f"w{i}", torch.bfloat16, s, None) for i, s in
@@ -212,7 +248,18 @@ def kept_plan():
     return run
 
 
-def methods(on_gpu: bool, case: str) -> dict:
+def module_sync(spec: list):
+    """sync_module of the tensors as a module tree (module_of, built on the first call)."""
+    state = {}
+
+    def run(ts):
+        if state.get("tensors") is not ts:
+            state.update(tensors=ts, module=module_of(spec, ts))
+        return coalesced_bcast.sync_module(state["module"], 0)
+    return run
+
+
+def methods(on_gpu: bool, case: str, spec: list) -> dict:
     ours = lambda **kw: (lambda ts: coalesced_bcast.broadcast_tensors(ts, 0, **kw))  # noqa: E731
     m = {
         "broadcast_coalesced": lambda ts: dist._broadcast_coalesced(dist.group.WORLD, ts, 250 * MiB, 0),
@@ -228,7 +275,9 @@ def methods(on_gpu: bool, case: str) -> dict:
         m.pop("per_tensor")
         m.pop("legacy_record_stream", None)
         return m
-    if case in ("moe", "cnn"):
+    if case == "moe_hf":
+        m["coalesced_bcast[sync_module]"] = module_sync(spec)
+    if case in ("moe", "cnn", "moe_hf"):
         return m
     for b in (16, 32, 128):
         m[f"coalesced_bcast[bucket={b}M]"] = ours(bucket_bytes=b * MiB)
@@ -347,7 +396,7 @@ def main():
             if rank == 0:
                 print(table_line(rows[-1]), flush=True)
         tensors = build(spec, device)
-        for name, fn in methods(on_gpu, case).items():
+        for name, fn in methods(on_gpu, case, spec).items():
             fill(tensors, seed=7, poison=rank != 0)
             sec, a, r, first, result = measure(fn, tensors, device, args.reps)
             ok = check(tensors, seed=7)

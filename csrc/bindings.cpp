@@ -17,6 +17,7 @@
 #include "host_stage.h"
 #include "host_wait.h"
 #include "load_dests.h"
+#include "module_walk.h"
 #include "pipeline.h"
 #include "post_hooks.h"
 #include "refit_views.h"
@@ -396,6 +397,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         s.exit();
         return false;
       });
+  m.def("module_slots", &module_slots, py::arg("module"), py::arg("include_buffers"), py::arg("dedupe"),
+        "(owners, keys, tensors) of a module's parameters (and buffers) in named_parameters() order, or None "
+        "where a module's dicts are not dicts (csrc/module_walk.h)");
+  m.def("load_walk", &load_walk, py::arg("module"), py::arg("base"), py::arg("extra_key"),
+        "(extra-state keys -> modules, ids of parameters and buffers) as state_dict() walks, or None "
+        "(csrc/module_walk.h)");
   m.def("first_replaced", &first_replaced, py::arg("owners"), py::arg("keys"), py::arg("tensors"),
         "The first i with owners[i][keys[i]] not tensors[i], or -1");
   m.def("load_dests", &load_dests, py::arg("values"), py::arg("rows"), py::arg("table"), py::arg("canon_rows"),

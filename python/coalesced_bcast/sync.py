@@ -324,6 +324,10 @@ def _module_slots(module: nn.Module, include_buffers: bool, *, dedupe: bool = Fa
     module_states' order: a kept plan checks each dict still holds the same object. Tied names are
     kept unless ``dedupe`` (then as named_parameters(): each module and tensor once). ``names``: a list
     to append each dotted name to, for callers that want names up front rather than on an error."""
+    if names is None:
+        found = _C.module_slots(module, include_buffers, dedupe)  # one C++ pass; None: dicts of another kind
+        if found is not None:
+            return found
     owners: list = []
     keys: list = []
     tensors: list = []
@@ -356,8 +360,8 @@ def sync_module(
 
     Takes the options of :func:`broadcast_tensors`; errors name tensors by their module path.
     """
-    names, tensors = module_states(module, include_buffers)
-    return broadcast_tensors(tensors, src, group, names=lambda: names, **options)
+    tensors = _module_slots(module, include_buffers)[2]  # names only when an error needs them
+    return broadcast_tensors(tensors, src, group, names=lambda: module_states(module, include_buffers)[0], **options)
 
 
 @gc_paused

@@ -1,0 +1,175 @@
+#include "module_walk.h"
+
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "chunks.h"
+
+namespace coalesced_bcast {
+namespace {
+
+struct Attrs {
+  PyObject* modules = PyUnicode_InternFromString("_modules");
+  PyObject* parameters = PyUnicode_InternFromString("_parameters");
+  PyObject* buffers = PyUnicode_InternFromString("_buffers");
+};
+
+const Attrs& attrs() {
+  static const Attrs a;  // made under the GIL, on first use
+  return a;
+}
+
+// m.name as a new reference if it is a dict, else empty (any error cleared).
+// Read from the instance's __dict__, where nn.Module keeps these (getattr on a
+// module goes through the type's __getattr__ hook); getattr where it is not.
+py::object dict_attr(PyObject* m, PyObject* own, PyObject* name) {
+  PyObject* v = own != nullptr ? PyDict_GetItemWithError(own, name) : nullptr;  // borrowed
+  if (v != nullptr) {
+    Py_INCREF(v);
+  } else {
+    PyErr_Clear();
+    v = PyObject_GetAttr(m, name);
+    if (v == nullptr) PyErr_Clear();
+  }
+  if (v != nullptr && !PyDict_CheckExact(v)) Py_CLEAR(v);  // an OrderedDict may iterate in another order
+  return py::reinterpret_steal<py::object>(v);
+}
+
+struct Mod {
+  py::object parameters, buffers;
+};
+
+// named_modules()'s preorder; with dedupe each module once (its memo). A module
+// is read through its __dict__ once: its children, parameters and buffers.
+bool preorder(PyObject* m, bool dedupe, std::unordered_set<PyObject*>& memo, std::vector<Mod>& out) {
+  if (dedupe && !memo.insert(m).second) return true;
+  const auto& a = attrs();
+  py::object own = py::reinterpret_steal<py::object>(PyObject_GenericGetDict(m, nullptr));
+  if (!own) PyErr_Clear();
+  py::object children = dict_attr(m, own.ptr(), a.modules);
+  out.push_back({dict_attr(m, own.ptr(), a.parameters), dict_attr(m, own.ptr(), a.buffers)});
+  if (!children || !out.back().parameters || !out.back().buffers) return false;
+  Py_ssize_t pos = 0;
+  PyObject *key = nullptr, *child = nullptr;
+  while (PyDict_Next(children.ptr(), &pos, &key, &child)) prefetch_object(child);  // siblings' misses overlap
+  pos = 0;
+  while (PyDict_Next(children.ptr(), &pos, &key, &child)) {
+    if (child != Py_None && !preorder(child, dedupe, memo, out)) return false;
+  }
+  return true;
+}
+
+// A dict's object and the start of its keys table (a module's are small: their
+// entries lie there), so that the pass below does not wait on each in turn.
+constexpr size_t kAhead = 8;
+void prefetch_dict(PyObject* d, bool keys) {
+  if (!keys) {
+    prefetch_object(d);
+    return;
+  }
+  const auto* k = reinterpret_cast<const char*>(reinterpret_cast<PyDictObject*>(d)->ma_keys);
+  __builtin_prefetch(k);
+  __builtin_prefetch(k + 64);
+}
+
+struct LoadWalk {
+  PyObject* base;
+  std::string extra_key;
+  PyObject* get_extra_state = PyUnicode_InternFromString("get_extra_state");
+  std::unordered_map<PyTypeObject*, bool> overrides;  // per type: get_extra_state is not base
+  std::vector<PyObject*> path;  // names from the root, borrowed from the _modules dicts
+  py::dict extra;
+  py::set owned;
+
+  bool overridden(PyObject* m) {
+    auto [it, fresh] = overrides.try_emplace(Py_TYPE(m), false);
+    if (fresh) {
+      PyObject* f = PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(m)), get_extra_state);
+      if (f == nullptr) PyErr_Clear();
+      it->second = f != nullptr && f != base;
+      Py_XDECREF(f);
+    }
+    return it->second;
+  }
+
+  bool add_ids(PyObject* d) {
+    Py_ssize_t pos = 0;
+    PyObject *key = nullptr, *value = nullptr;
+    while (PyDict_Next(d, &pos, &key, &value)) {
+      py::object id = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(value));
+      if (!id || PySet_Add(owned.ptr(), id.ptr()) != 0) throw py::error_already_set();
+    }
+    return true;
+  }
+
+  bool walk(PyObject* m) {
+    const auto& a = attrs();
+    py::object own = py::reinterpret_steal<py::object>(PyObject_GenericGetDict(m, nullptr));
+    if (!own) PyErr_Clear();
+    py::object children = dict_attr(m, own.ptr(), a.modules), params = dict_attr(m, own.ptr(), a.parameters),
+               buffers = dict_attr(m, own.ptr(), a.buffers);
+    if (!children || !params || !buffers) return false;
+    add_ids(params.ptr());
+    add_ids(buffers.ptr());
+    if (overridden(m)) {
+      std::string key;
+      for (PyObject* name : path) {
+        Py_ssize_t len = 0;
+        const char* s = PyUnicode_AsUTF8AndSize(name, &len);
+        if (s == nullptr) throw py::error_already_set();
+        key.append(s, len).push_back('.');
+      }
+      extra[py::str(key + extra_key)] = py::handle(m);
+    }
+    Py_ssize_t pos = 0;
+    PyObject *key = nullptr, *child = nullptr;
+    while (PyDict_Next(children.ptr(), &pos, &key, &child)) prefetch_object(child);
+    pos = 0;
+    while (PyDict_Next(children.ptr(), &pos, &key, &child)) {
+      if (child == Py_None) continue;
+      if (!PyUnicode_Check(key)) return false;
+      path.push_back(key);
+      const bool ok = walk(child);
+      path.pop_back();
+      if (!ok) return false;
+    }
+    return true;
+  }
+};
+
+}  // namespace
+
+py::object load_walk(const py::handle& module, const py::handle& base, const std::string& extra_key) {
+  LoadWalk w{base.ptr(), extra_key};
+  if (!w.walk(module.ptr())) return py::none();
+  return py::make_tuple(w.extra, w.owned);
+}
+
+py::object module_slots(const py::handle& module, bool include_buffers, bool dedupe) {
+  std::vector<Mod> mods;
+  std::unordered_set<PyObject*> memo;
+  if (!preorder(module.ptr(), dedupe, memo, mods)) return py::none();
+  py::list owners, keys, tensors;
+  std::unordered_set<PyObject*> seen;
+  for (int kind = 0; kind < (include_buffers ? 2 : 1); ++kind) {
+    auto dict_of = [&](size_t i) { return (kind == 0 ? mods[i].parameters : mods[i].buffers).ptr(); };
+    for (size_t i = 0; i < mods.size(); ++i) {
+      if (i + 2 * kAhead < mods.size()) prefetch_dict(dict_of(i + 2 * kAhead), false);
+      if (i + kAhead < mods.size()) prefetch_dict(dict_of(i + kAhead), true);
+      PyObject* d = dict_of(i);
+      Py_ssize_t pos = 0;
+      PyObject *key = nullptr, *value = nullptr;
+      while (PyDict_Next(d, &pos, &key, &value)) {
+        if (value == Py_None || (dedupe && !seen.insert(value).second)) continue;
+        owners.append(py::handle(d));
+        keys.append(py::handle(key));
+        tensors.append(py::handle(value));
+      }
+    }
+  }
+  return py::make_tuple(owners, keys, tensors);
+}
+
+}  // namespace coalesced_bcast

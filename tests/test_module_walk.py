@@ -1,0 +1,121 @@
+"""The C++ walk of a module's parameters and buffers (csrc/module_walk.h) against torch's own walk."""
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.nn as nn
+
+from coalesced_bcast import _C
+from coalesced_bcast.sync import _module_slots, module_states
+
+
+class Block(nn.Module):
+    def __init__(self, shared: nn.Module):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)  # buffers, num_batches_tracked among them
+        self.shared = shared  # the same module under several parents
+        self.gone = None  # a child set to None
+        self.register_parameter("absent", None)
+        self.register_buffer("empty_buf", None)
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        shared = nn.Linear(4, 4, bias=False)
+        self.embed = nn.Embedding(8, 4)
+        self.blocks = nn.ModuleList([Block(shared) for _ in range(3)])
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight  # tied: one tensor under two names
+        self.experts = nn.ModuleList([nn.ModuleDict({"w1": nn.Linear(4, 2), "w2": nn.Linear(2, 4)})
+                                      for _ in range(4)])
+
+
+def torch_walk(m: nn.Module, include_buffers: bool, dedupe: bool) -> list:
+    out = [t for _, t in m.named_parameters(remove_duplicate=dedupe)]
+    if include_buffers:
+        out += [b for _, b in m.named_buffers(remove_duplicate=dedupe) if b is not None]
+    return out
+
+
+@pytest.mark.parametrize("include_buffers", [True, False])
+@pytest.mark.parametrize("dedupe", [False, True])
+def test_walk_is_torchs_order_with_ties_and_shared_modules(include_buffers, dedupe):
+    m = Model()
+    found = _C.module_slots(m, include_buffers, dedupe)
+    assert found is not None
+    owners, keys, tensors = found
+    expected = torch_walk(m, include_buffers, dedupe)
+    assert len(tensors) == len(expected)
+    assert all(a is b for a, b in zip(tensors, expected))
+    assert all(d[k] is t for d, k, t in zip(owners, keys, tensors))
+    # The Python walk (taken where names are wanted) gives the same slots.
+    py_owners, py_keys, py_tensors = _module_slots(m, include_buffers, dedupe=dedupe, names=[])
+    assert [id(d) for d in owners] == [id(d) for d in py_owners] and keys == py_keys
+    assert all(a is b for a, b in zip(tensors, py_tensors))
+    if not dedupe:  # tied names kept: the shared module's weight three times, the tied embedding twice
+        assert sum(t is m.blocks[0].shared.weight for t in tensors) == 3
+        assert sum(t is m.embed.weight for t in tensors) == 2
+        assert len(module_states(m, include_buffers)[0]) == len(tensors)  # the names errors word line up
+
+
+def test_dicts_of_another_kind_are_left_to_python():
+    m = Model()
+    m.blocks[1].proj._parameters = OrderedDict(m.blocks[1].proj._parameters)
+    m.blocks[1].proj._parameters.move_to_end("weight")  # bias first now, as .items() gives it
+    assert _C.module_slots(m, True, False) is None
+    tensors = _module_slots(m, True)[2]  # falls back to the Python walk: torch's order
+    assert all(a is b for a, b in zip(tensors, torch_walk(m, True, False)))
+    assert len(tensors) == len(torch_walk(m, True, False))
+
+
+def test_a_module_without_children_or_state():
+    assert _C.module_slots(nn.Identity(), True, False) == ([], [], [])
+    p = nn.Parameter(torch.ones(3))
+    m = nn.ParameterList([p, p])  # one tensor under two names
+    assert [t is p for t in _C.module_slots(m, True, False)[2]] == [True, True]
+    assert [t is p for t in _C.module_slots(m, True, True)[2]] == [True]
+
+
+class WithExtra(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def get_extra_state(self):
+        return {"step": 3}
+
+    def set_extra_state(self, state):
+        self.state = state
+
+
+def test_load_walk_is_state_dicts_walk():
+    from coalesced_bcast.state_dict import _EXTRA, _walk_modules
+    m = Model()
+    shared = WithExtra()
+    m.blocks[0].extra = shared
+    m.blocks[2].extra = shared  # reached by two paths: two keys, as state_dict() has them
+    root = nn.Sequential(m, WithExtra())
+    found = _C.load_walk(root, nn.Module.get_extra_state, _EXTRA)
+    assert found is not None
+    extra, owned = found
+    sd_extra = [k for k in root.state_dict() if k.endswith(_EXTRA)]
+    assert sorted(extra) == sorted(sd_extra) == sorted(["0.blocks.0.extra._extra_state",
+                                                        "0.blocks.2.extra._extra_state", "1._extra_state"])
+    assert extra["0.blocks.2.extra._extra_state"] is shared
+    every = [t for _, t in root.named_parameters(remove_duplicate=False)]
+    every += [b for _, b in root.named_buffers(remove_duplicate=False)]
+    assert {id(t) for t in every} <= owned
+    assert all(id(v) in owned for v in root.state_dict(keep_vars=True).values() if isinstance(v, torch.Tensor))
+    assert _walk_modules(root) == (extra, owned)
+
+
+def test_load_walk_leaves_other_dicts_to_python():
+    from coalesced_bcast.state_dict import _EXTRA, _walk_modules
+    m = Model()
+    m.head._buffers = OrderedDict()
+    assert _C.load_walk(m, nn.Module.get_extra_state, _EXTRA) is None
+    extra, owned = _walk_modules(m)  # the Python walk
+    assert extra == {} and id(m.embed.weight) in owned
