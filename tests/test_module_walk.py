@@ -110,6 +110,8 @@ def test_load_walk_is_state_dicts_walk():
     assert {id(t) for t in every} <= owned
     assert all(id(v) in owned for v in root.state_dict(keep_vars=True).values() if isinstance(v, torch.Tensor))
     assert _walk_modules(root) == (extra, owned)
+    from coalesced_bcast.state_dict import _walk_modules_py
+    assert _walk_modules_py(root) == (extra, owned)  # the fallback, walked in Python, agrees
 
 
 def test_load_walk_leaves_other_dicts_to_python():
@@ -117,5 +119,5 @@ def test_load_walk_leaves_other_dicts_to_python():
     m = Model()
     m.head._buffers = OrderedDict()
     assert _C.load_walk(m, nn.Module.get_extra_state, _EXTRA) is None
-    extra, owned = _walk_modules(m)  # the Python walk
+    extra, owned = _walk_modules(m)  # the Python walk (_walk_modules_py)
     assert extra == {} and id(m.embed.weight) in owned

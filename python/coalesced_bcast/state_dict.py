@@ -199,10 +199,13 @@ def _walk_modules(model: nn.Module) -> tuple[dict[str, nn.Module], set[int]]:
     """One walk the way state_dict() walks: the state-dict keys that hold a module's extra state, and the ids
     of the model's own parameters and buffers (state_dict(keep_vars=True) returns those objects themselves,
     unless a hook copied one)."""
+    found = _C.load_walk(model, nn.Module.get_extra_state, _EXTRA)  # None: a module's dicts are of another kind
+    return found if found is not None else _walk_modules_py(model)
+
+
+def _walk_modules_py(model: nn.Module) -> tuple[dict[str, nn.Module], set[int]]:
+    """_walk_modules in Python, for modules whose dicts the C++ walk does not read."""
     base = nn.Module.get_extra_state
-    found = _C.load_walk(model, base, _EXTRA)  # one C++ pass; None: a module's dicts are of another kind
-    if found is not None:
-        return found
     extra: dict[str, nn.Module] = {}
     owned: set[int] = set()
 
