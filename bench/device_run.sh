@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one call on the device machine (nvidia-h200-x2):
-#   bash bench/device_run.sh [STEP...]     steps: env build gputest refittest refit bench trace init agree fsdp2 loadcheck loadphases soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta torchsuite_ddp accelerate planhost copykernels (default: all but the torchsuite ones)
+#   bash bench/device_run.sh [STEP...]     steps: env build gputest refittest refit bench trace init agree fsdp2 loadcheck loadphases modulewalk soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta torchsuite_ddp accelerate planhost copykernels (default: all but the torchsuite ones)
 # Builds the extension in place with the machine's own torch, then runs each step. Logs and results
 # go to $LOGS (default /tmp/device_run) and, after every step, into one archive $OUT/device_run.tgz
 # (the device tool returns at most 8 files, and a run cut short by its time limit still returns
@@ -58,6 +58,7 @@ for s in $steps; do
     loadcheck) step loadcheck 400 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 --report-api-errors no \
         $PY -m pytest -q -s tests/test_gpu_nccl.py -k "load_full_state_dict" ;;
     soak) step soak 200 $RUN bench/soak.py --out "$LOGS/soak.jsonl" ;;
+    modulewalk) step modulewalk 200 $RUN bench/module_walk.py ;;
     loadphases) step loadphases 200 $RUN bench/profile_load.py --phases --out "$LOGS/load_phases.txt" ;;
     gpuchecks) step gpuchecks 200 $RUN bench/soak.py --mode gpu-checks --out "$LOGS/soak-gpu-checks.jsonl" ;;
     timeout) step timeout 300 $PY bench/soak.py --mode timeout --out "$LOGS/soak-timeout.jsonl" ;;

@@ -4,7 +4,7 @@ matrix, 18,769 tensors in 25,108 modules). The walks in Python are what the libr
 load's `_walk_modules` (its Python fallback, `_walk_modules_py`) and sync_module's `module_states` (named_parameters()).
 Median and best of 9, two rounds; on GPUs the tensors are on the GPU and the sync is timed to its end.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 1 bench/module_walk.py
+    python -m torch.distributed.run --standalone --nproc-per-node 1 bench/module_walk.py   (2: the syncs broadcast)
 """
 import os
 import statistics
@@ -29,7 +29,8 @@ def main():
     spec = moe_hf_state(layers=48, hidden=512, inter=128, experts=128)
     ts = build(spec, device)
     m = module_of(spec, ts)
-    print(f"moe_hf: {len(ts)} tensors, {sum(1 for _ in m.modules())} modules, torch {torch.__version__}, {device}")
+    say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
+    say(f"moe_hf: {len(ts)} tensors, {sum(1 for _ in m.modules())} modules, torch {torch.__version__}, {device}")
     assert py_walk(m) == _walk_modules(m)
 
     def old_sync():  # sync_module before: names and tensors from module_states
@@ -54,7 +55,7 @@ def main():
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 out.append(time.perf_counter() - t)
-            print(f"  round {rnd} {name:40s} median {statistics.median(out) * 1e3:7.2f} ms  "
+            say(f"  round {rnd} {name:40s} median {statistics.median(out) * 1e3:7.2f} ms  "
                   f"best {min(out) * 1e3:7.2f} ms", flush=True)
     dist.destroy_process_group()
 
