@@ -37,25 +37,34 @@ py::object dict_attr(PyObject* m, PyObject* own, PyObject* name) {
   return py::reinterpret_steal<py::object>(v);
 }
 
-struct Mod {
-  py::object parameters, buffers;
+// A module's three dicts, read through its __dict__ once; false where one is
+// not a plain dict. Its children are prefetched: siblings' misses overlap.
+struct ModuleDicts {
+  py::object children, parameters, buffers;
 };
 
-// named_modules()'s preorder; with dedupe each module once (its memo). A module
-// is read through its __dict__ once: its children, parameters and buffers.
-bool preorder(PyObject* m, bool dedupe, std::unordered_set<PyObject*>& memo, std::vector<Mod>& out) {
-  if (dedupe && !memo.insert(m).second) return true;
+bool read_module(PyObject* m, ModuleDicts& out) {
   const auto& a = attrs();
   py::object own = py::reinterpret_steal<py::object>(PyObject_GenericGetDict(m, nullptr));
   if (!own) PyErr_Clear();
-  py::object children = dict_attr(m, own.ptr(), a.modules);
-  out.push_back({dict_attr(m, own.ptr(), a.parameters), dict_attr(m, own.ptr(), a.buffers)});
-  if (!children || !out.back().parameters || !out.back().buffers) return false;
+  out = {dict_attr(m, own.ptr(), a.modules), dict_attr(m, own.ptr(), a.parameters),
+         dict_attr(m, own.ptr(), a.buffers)};
+  if (!out.children || !out.parameters || !out.buffers) return false;
   Py_ssize_t pos = 0;
   PyObject *key = nullptr, *child = nullptr;
-  while (PyDict_Next(children.ptr(), &pos, &key, &child)) prefetch_object(child);  // siblings' misses overlap
-  pos = 0;
-  while (PyDict_Next(children.ptr(), &pos, &key, &child)) {
+  while (PyDict_Next(out.children.ptr(), &pos, &key, &child)) prefetch_object(child);
+  return true;
+}
+
+// named_modules()'s preorder; with dedupe each module once (its memo).
+bool preorder(PyObject* m, bool dedupe, std::unordered_set<PyObject*>& memo, std::vector<ModuleDicts>& out) {
+  if (dedupe && !memo.insert(m).second) return true;
+  out.emplace_back();
+  if (!read_module(m, out.back())) return false;
+  PyObject* children = out.back().children.ptr();  // out may move as it grows: the dict does not
+  Py_ssize_t pos = 0;
+  PyObject *key = nullptr, *child = nullptr;
+  while (PyDict_Next(children, &pos, &key, &child)) {
     if (child != Py_None && !preorder(child, dedupe, memo, out)) return false;
   }
   return true;
@@ -105,14 +114,10 @@ struct LoadWalk {
   }
 
   bool walk(PyObject* m) {
-    const auto& a = attrs();
-    py::object own = py::reinterpret_steal<py::object>(PyObject_GenericGetDict(m, nullptr));
-    if (!own) PyErr_Clear();
-    py::object children = dict_attr(m, own.ptr(), a.modules), params = dict_attr(m, own.ptr(), a.parameters),
-               buffers = dict_attr(m, own.ptr(), a.buffers);
-    if (!children || !params || !buffers) return false;
-    add_ids(params.ptr());
-    add_ids(buffers.ptr());
+    ModuleDicts d;
+    if (!read_module(m, d)) return false;
+    add_ids(d.parameters.ptr());
+    add_ids(d.buffers.ptr());
     if (overridden(m)) {
       std::string key;
       for (PyObject* name : path) {
@@ -125,9 +130,7 @@ struct LoadWalk {
     }
     Py_ssize_t pos = 0;
     PyObject *key = nullptr, *child = nullptr;
-    while (PyDict_Next(children.ptr(), &pos, &key, &child)) prefetch_object(child);
-    pos = 0;
-    while (PyDict_Next(children.ptr(), &pos, &key, &child)) {
+    while (PyDict_Next(d.children.ptr(), &pos, &key, &child)) {
       if (child == Py_None) continue;
       if (!PyUnicode_Check(key)) return false;
       path.push_back(key);
@@ -148,7 +151,7 @@ py::object load_walk(const py::handle& module, const py::handle& base, const std
 }
 
 py::object module_slots(const py::handle& module, bool include_buffers, bool dedupe) {
-  std::vector<Mod> mods;
+  std::vector<ModuleDicts> mods;
   std::unordered_set<PyObject*> memo;
   if (!preorder(module.ptr(), dedupe, memo, mods)) return py::none();
   py::list owners, keys, tensors;
