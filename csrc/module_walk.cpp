@@ -33,8 +33,40 @@ py::object dict_attr(PyObject* m, PyObject* own, PyObject* name) {
     v = PyObject_GetAttr(m, name);
     if (v == nullptr) PyErr_Clear();
   }
-  if (v != nullptr && !PyDict_CheckExact(v)) Py_CLEAR(v);  // an OrderedDict may iterate in another order
+  if (v != nullptr && !PyDict_Check(v)) Py_CLEAR(v);
   return py::reinterpret_steal<py::object>(v);
+}
+
+// fn(key, value) over d's items in the order .items() gives them, as torch's
+// walks read them: a plain dict by PyDict_Next; a subclass (torch before 2.5
+// keeps OrderedDicts, whose order move_to_end changes) through .items().
+// False on an error (cleared) or where fn returns false.
+template <typename Fn>
+bool for_items(PyObject* d, const Fn& fn) {
+  if (PyDict_CheckExact(d)) {
+    Py_ssize_t pos = 0;
+    PyObject *key = nullptr, *value = nullptr;
+    while (PyDict_Next(d, &pos, &key, &value)) {
+      if (!fn(key, value)) return false;
+    }
+    return true;
+  }
+  py::object items = py::reinterpret_steal<py::object>(PyObject_CallMethod(d, "items", nullptr));
+  py::object it = items ? py::reinterpret_steal<py::object>(PyObject_GetIter(items.ptr())) : py::object();
+  if (!it) {
+    PyErr_Clear();
+    return false;
+  }
+  while (PyObject* raw = PyIter_Next(it.ptr())) {
+    py::object item = py::reinterpret_steal<py::object>(raw);
+    if (!PyTuple_Check(raw) || PyTuple_GET_SIZE(raw) != 2) return false;
+    if (!fn(PyTuple_GET_ITEM(raw, 0), PyTuple_GET_ITEM(raw, 1))) return false;
+  }
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
 }
 
 // A module's three dicts, read through its __dict__ once; false where one is
@@ -50,9 +82,11 @@ bool read_module(PyObject* m, ModuleDicts& out) {
   out = {dict_attr(m, own.ptr(), a.modules), dict_attr(m, own.ptr(), a.parameters),
          dict_attr(m, own.ptr(), a.buffers)};
   if (!out.children || !out.parameters || !out.buffers) return false;
-  Py_ssize_t pos = 0;
-  PyObject *key = nullptr, *child = nullptr;
-  while (PyDict_Next(out.children.ptr(), &pos, &key, &child)) prefetch_object(child);
+  if (PyDict_CheckExact(out.children.ptr())) {
+    Py_ssize_t pos = 0;
+    PyObject *key = nullptr, *child = nullptr;
+    while (PyDict_Next(out.children.ptr(), &pos, &key, &child)) prefetch_object(child);
+  }
   return true;
 }
 
@@ -61,13 +95,10 @@ bool preorder(PyObject* m, bool dedupe, std::unordered_set<PyObject*>& memo, std
   if (dedupe && !memo.insert(m).second) return true;
   out.emplace_back();
   if (!read_module(m, out.back())) return false;
-  PyObject* children = out.back().children.ptr();  // out may move as it grows: the dict does not
-  Py_ssize_t pos = 0;
-  PyObject *key = nullptr, *child = nullptr;
-  while (PyDict_Next(children, &pos, &key, &child)) {
-    if (child != Py_None && !preorder(child, dedupe, memo, out)) return false;
-  }
-  return true;
+  py::object children = out.back().children;  // out may move as it grows
+  return for_items(children.ptr(), [&](PyObject*, PyObject* child) {
+    return child == Py_None || preorder(child, dedupe, memo, out);
+  });
 }
 
 // A dict's object and the start of its keys table (a module's are small: their
@@ -104,20 +135,17 @@ struct LoadWalk {
   }
 
   bool add_ids(PyObject* d) {
-    Py_ssize_t pos = 0;
-    PyObject *key = nullptr, *value = nullptr;
-    while (PyDict_Next(d, &pos, &key, &value)) {
+    return for_items(d, [&](PyObject*, PyObject* value) {
       py::object id = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(value));
       if (!id || PySet_Add(owned.ptr(), id.ptr()) != 0) throw py::error_already_set();
-    }
-    return true;
+      return true;
+    });
   }
 
   bool walk(PyObject* m) {
     ModuleDicts d;
     if (!read_module(m, d)) return false;
-    add_ids(d.parameters.ptr());
-    add_ids(d.buffers.ptr());
+    if (!add_ids(d.parameters.ptr()) || !add_ids(d.buffers.ptr())) return false;
     if (overridden(m)) {
       std::string key;
       for (PyObject* name : path) {
@@ -128,17 +156,14 @@ struct LoadWalk {
       }
       extra[py::str(key + extra_key)] = py::handle(m);
     }
-    Py_ssize_t pos = 0;
-    PyObject *key = nullptr, *child = nullptr;
-    while (PyDict_Next(d.children.ptr(), &pos, &key, &child)) {
-      if (child == Py_None) continue;
+    return for_items(d.children.ptr(), [&](PyObject* key, PyObject* child) {
+      if (child == Py_None) return true;
       if (!PyUnicode_Check(key)) return false;
       path.push_back(key);
       const bool ok = walk(child);
       path.pop_back();
-      if (!ok) return false;
-    }
-    return true;
+      return ok;
+    });
   }
 };
 
@@ -162,14 +187,14 @@ py::object module_slots(const py::handle& module, bool include_buffers, bool ded
       if (i + 2 * kAhead < mods.size()) prefetch_dict(dict_of(i + 2 * kAhead), false);
       if (i + kAhead < mods.size()) prefetch_dict(dict_of(i + kAhead), true);
       PyObject* d = dict_of(i);
-      Py_ssize_t pos = 0;
-      PyObject *key = nullptr, *value = nullptr;
-      while (PyDict_Next(d, &pos, &key, &value)) {
-        if (value == Py_None || (dedupe && !seen.insert(value).second)) continue;
+      const bool read = for_items(d, [&](PyObject* key, PyObject* value) {
+        if (value == Py_None || (dedupe && !seen.insert(value).second)) return true;
         owners.append(py::handle(d));
         keys.append(py::handle(key));
         tensors.append(py::handle(value));
-      }
+        return true;
+      });
+      if (!read) return py::none();
     }
   }
   return py::make_tuple(owners, keys, tensors);

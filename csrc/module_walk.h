@@ -15,9 +15,10 @@ namespace py = pybind11;
 // parameters, then all buffers, each in named_modules() preorder), None values
 // passed over: tensors[i] is owners[i][keys[i]]. dedupe: each module and each
 // tensor once, as named_parameters() does by default; otherwise a module
-// reached twice is read twice (tied names kept). None where some module's
-// _modules, _parameters or _buffers is not a plain dict (an OrderedDict, say:
-// the caller walks in Python, in that dict's own order).
+// reached twice is read twice (tied names kept). Dicts are read in .items()
+// order (OrderedDicts, as torch before 2.5 keeps, included). None where some
+// module's _modules, _parameters or _buffers is not a dict (the caller walks in
+// Python).
 py::object module_slots(const py::handle& module, bool include_buffers, bool dedupe);
 
 // For a load, walked as state_dict() walks (every path, a module reached twice

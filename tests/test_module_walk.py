@@ -1,5 +1,6 @@
 """The C++ walk of a module's parameters and buffers (csrc/module_walk.h) against torch's own walk."""
 from collections import OrderedDict
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -61,14 +62,33 @@ def test_walk_is_torchs_order_with_ties_and_shared_modules(include_buffers, dedu
         assert len(module_states(m, include_buffers)[0]) == len(tensors)  # the names errors word line up
 
 
-def test_dicts_of_another_kind_are_left_to_python():
+class Frozen(Mapping):
+    """A mapping that is not a dict: torch's walks read it through .items()."""
+
+    def __init__(self, d):
+        self._d = dict(d)
+
+    def __getitem__(self, k):
+        return self._d[k]
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self):
+        return len(self._d)
+
+
+def test_ordered_dicts_in_their_order_and_other_mappings_in_python():
     m = Model()
-    m.blocks[1].proj._parameters = OrderedDict(m.blocks[1].proj._parameters)
+    m.blocks[1].proj._parameters = OrderedDict(m.blocks[1].proj._parameters)  # torch < 2.5 keeps these
     m.blocks[1].proj._parameters.move_to_end("weight")  # bias first now, as .items() gives it
+    found = _C.module_slots(m, True, False)
+    assert found is not None
+    assert [id(t) for t in found[2]] == [id(t) for t in torch_walk(m, True, False)]
+    m.blocks[2].proj._parameters = Frozen(m.blocks[2].proj._parameters)
     assert _C.module_slots(m, True, False) is None
-    tensors = _module_slots(m, True)[2]  # falls back to the Python walk: torch's order
-    assert all(a is b for a, b in zip(tensors, torch_walk(m, True, False)))
-    assert len(tensors) == len(torch_walk(m, True, False))
+    tensors = _module_slots(m, True)[2]  # the Python walk
+    assert [id(t) for t in tensors] == [id(t) for t in torch_walk(m, True, False)]
 
 
 def test_a_module_without_children_or_state():
@@ -114,10 +134,12 @@ def test_load_walk_is_state_dicts_walk():
     assert _walk_modules_py(root) == (extra, owned)  # the fallback, walked in Python, agrees
 
 
-def test_load_walk_leaves_other_dicts_to_python():
-    from coalesced_bcast.state_dict import _EXTRA, _walk_modules
+def test_load_walk_leaves_other_mappings_to_python():
+    from coalesced_bcast.state_dict import _EXTRA, _walk_modules, _walk_modules_py
     m = Model()
-    m.head._buffers = OrderedDict()
+    m.head._buffers = OrderedDict()  # read in C++, as a dict
+    assert _C.load_walk(m, nn.Module.get_extra_state, _EXTRA) == _walk_modules_py(m)
+    m.head._buffers = Frozen({})
     assert _C.load_walk(m, nn.Module.get_extra_state, _EXTRA) is None
     extra, owned = _walk_modules(m)  # the Python walk (_walk_modules_py)
     assert extra == {} and id(m.embed.weight) in owned

@@ -199,7 +199,7 @@ def _walk_modules(model: nn.Module) -> tuple[dict[str, nn.Module], set[int]]:
     """One walk the way state_dict() walks: the state-dict keys that hold a module's extra state, and the ids
     of the model's own parameters and buffers (state_dict(keep_vars=True) returns those objects themselves,
     unless a hook copied one)."""
-    found = _C.load_walk(model, nn.Module.get_extra_state, _EXTRA)  # None: a module's dicts are of another kind
+    found = _C.load_walk(model, nn.Module.get_extra_state, _EXTRA)  # None: a module's state is not in dicts
     return found if found is not None else _walk_modules_py(model)
 
 

@@ -325,7 +325,7 @@ def _module_slots(module: nn.Module, include_buffers: bool, *, dedupe: bool = Fa
     kept unless ``dedupe`` (then as named_parameters(): each module and tensor once). ``names``: a list
     to append each dotted name to, for callers that want names up front rather than on an error."""
     if names is None:
-        found = _C.module_slots(module, include_buffers, dedupe)  # one C++ pass; None: dicts of another kind
+        found = _C.module_slots(module, include_buffers, dedupe)  # one C++ pass; None: state not in dicts
         if found is not None:
             return found
     owners: list = []
