@@ -14,6 +14,7 @@ struct Attrs {
   PyObject* modules = PyUnicode_InternFromString("_modules");
   PyObject* parameters = PyUnicode_InternFromString("_parameters");
   PyObject* buffers = PyUnicode_InternFromString("_buffers");
+  PyObject* get_extra_state = PyUnicode_InternFromString("get_extra_state");
 };
 
 const Attrs& attrs() {
@@ -70,7 +71,7 @@ bool for_items(PyObject* d, const Fn& fn) {
 }
 
 // A module's three dicts, read through its __dict__ once; false where one is
-// not a plain dict. Its children are prefetched: siblings' misses overlap.
+// not a dict. Its children are prefetched: siblings' misses overlap.
 struct ModuleDicts {
   py::object children, parameters, buffers;
 };
@@ -117,7 +118,6 @@ void prefetch_dict(PyObject* d, bool keys) {
 struct LoadWalk {
   PyObject* base;
   std::string extra_key;
-  PyObject* get_extra_state = PyUnicode_InternFromString("get_extra_state");
   std::unordered_map<PyTypeObject*, bool> overrides;  // per type: get_extra_state is not base
   std::vector<PyObject*> path;  // names from the root, borrowed from the _modules dicts
   py::dict extra;
@@ -126,7 +126,7 @@ struct LoadWalk {
   bool overridden(PyObject* m) {
     auto [it, fresh] = overrides.try_emplace(Py_TYPE(m), false);
     if (fresh) {
-      PyObject* f = PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(m)), get_extra_state);
+      PyObject* f = PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(m)), attrs().get_extra_state);
       if (f == nullptr) PyErr_Clear();
       it->second = f != nullptr && f != base;
       Py_XDECREF(f);
