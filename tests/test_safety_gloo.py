@@ -5,6 +5,7 @@ import gc
 import json
 import os
 import re
+import struct
 import threading
 import time
 import warnings
@@ -465,6 +466,38 @@ def test_rank_that_never_arrives_or_dies(tmp_path, store):
     assert "the payload broadcast over 2 ranks failed on rank 0" in r["message"] and "Timed out" in r["message"], r
     r = _results(tmp_path, "killed_mid_run", [0])[0]
     assert r["type"] == "CollectiveError" and r["seconds"] < 1 + 2 + SLACK_S, r
+
+
+def _torn_store_body(rank, world_size, out_dir):
+    # A rank killed while it writes to a FileStore leaves a torn record at the file's end, and torch's
+    # FileStore never returns from an operation after that (it spins on the record): the other rank
+    # fails at its deadline all the same, and its process still exits.
+    x = [torch.full((1000,), float(rank))]
+    coalesced_bcast.broadcast_tensors(x, 0, timeout=30)  # the group's agreement state exists
+    torn = os.path.join(out_dir, "torn")
+    if rank == 1:
+        store = dist.distributed_c10d._get_default_store()
+        while isinstance(store, dist.PrefixStore):
+            store = store.underlying_store
+        assert isinstance(store, dist.FileStore), store
+        with open(store.path, "ab") as f:
+            f.write(struct.pack("I", 2) + b"/t")  # a key whose value never comes
+        open(torn, "w").close()
+        os._exit(0)
+    while not os.path.exists(torn):
+        time.sleep(0.01)
+    _attempt(out_dir, rank, "torn_store", lambda: coalesced_bcast.broadcast_tensors(x, 0, timeout=2))
+    _attempt(out_dir, rank, "torn_store_again", lambda: coalesced_bcast.broadcast_tensors(x, 0, timeout=1))
+
+
+def test_rank_killed_while_writing_to_the_file_store(tmp_path):
+    run_ranks(2, _torn_store_body, str(tmp_path), timeout=60)  # returns: rank 0 exited
+    r = _results(tmp_path, "torn_store", [0])[0]
+    assert r["type"] == "CollectiveError" and 2 < r["seconds"] < 2 + 1 + SLACK_S, r
+    assert "the agreement over 2 ranks failed on rank 0" in r["message"], r
+    assert "FileStore did not answer" in r["message"], r
+    r = _results(tmp_path, "torn_store_again", [0])[0]
+    assert r["type"] == "CollectiveError" and 1 < r["seconds"] < 1 + 1 + SLACK_S, r
 
 
 def test_rank_dead_before_the_call_three_ranks(tmp_path):

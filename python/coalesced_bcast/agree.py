@@ -29,6 +29,8 @@ import contextlib
 import functools
 import logging
 import os
+import queue
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -390,23 +392,86 @@ class _GroupState:
 _groups: "weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupState]" = weakref.WeakKeyDictionary()
 
 
-def _group_state(pg: dist.ProcessGroup, store) -> _GroupState:
+def _group_state(pg: dist.ProcessGroup, store, op) -> _GroupState:
+    """`op(fn, *args)` runs a store operation (the agreement's `_op`)."""
     state = _groups.get(pg)
     if state is None:
         # A store can outlive its group (destroy_process_group, then init_process_group on torchrun's
         # agent store): the keys of an earlier group of the same name would read as this one's. Every
         # rank adds 1 once, at the group's first agreement, so (count - 1) // size numbers this group's
         # incarnation alike on every rank. (A round trip per group, once.)
-        epoch = (int(store.add("coalesced_bcast/agree/groups", 1)) - 1) // pg.size()
+        epoch = (int(op(store.add, "coalesced_bcast/agree/groups", 1)) - 1) // pg.size()
         queues = False
         if pg.size() == 2:  # only a two-rank verdict goes through a queue
             try:
-                store.queue_len("coalesced_bcast/agree/queues")
+                op(store.queue_len, "coalesced_bcast/agree/queues")
                 queues = True
             except (NotImplementedError, RuntimeError, AttributeError):  # FileStore; a torch before queues
                 pass
         state = _groups[pg] = _GroupState(f"coalesced_bcast/agree/{epoch}/", queues)
     return state
+
+
+def _file_backed(store) -> bool:
+    """Whether `store`, under any PrefixStores, is a FileStore."""
+    while isinstance(store, dist.PrefixStore):
+        store = getattr(store, "underlying_store", None)
+    return isinstance(store, dist.FileStore)
+
+
+class _StoreThread:
+    """A daemon thread that runs a FileStore's operations while the caller waits with a deadline.
+
+    Why: a process killed while it writes to a FileStore leaves a torn record at the end of the file,
+    and torch's FileStore then never returns from any operation: its read loop makes no progress at the
+    end of the file (0 bytes read) and spins, holding the store's mutex. Waiting on this thread, the
+    caller raises at its deadline instead; the thread is abandoned to its spin (the group is unusable
+    then anyway) and the next operation gets a new thread."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()  # a forked child has the object but not the thread
+        self.jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="coalesced_bcast-filestore", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, args, box, done = self.jobs.get()
+            try:
+                box.append((True, fn(*args)))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box.append((False, e))
+            del fn, args, box
+            done.set()
+
+    def call(self, fn, args: tuple, seconds: float):
+        """fn(*args), or raise TimeoutError once `seconds` pass without it returning."""
+        box: list = []
+        done = threading.Event()
+        self.jobs.put((fn, args, box, done))
+        if not done.wait(seconds):
+            raise TimeoutError(f"the group's FileStore did not answer within {seconds:.1f} s (a rank killed while "
+                               f"it wrote to the store leaves a torn record that torch's FileStore never reads past)")
+        ok, value = box[0]
+        if ok:
+            return value
+        raise value
+
+
+_store_thread: Optional[_StoreThread] = None
+
+
+def _bounded_store_call(fn, args: tuple, seconds: float):
+    """fn(*args) on the store thread. A thread that did not return is left to its operation, whose bound
+    method keeps the store alive: FileStore's destructor would wait for the mutex that operation holds,
+    and the process could not exit."""
+    global _store_thread
+    if _store_thread is None or _store_thread.pid != os.getpid():
+        _store_thread = _StoreThread()
+    try:
+        return _store_thread.call(fn, args, seconds)
+    except TimeoutError:
+        _store_thread = None
+        raise
 
 
 def store_max_ranks() -> int:
@@ -452,13 +517,14 @@ class _StoreAgreement:
 
     def __init__(self, store, pg: dist.ProcessGroup, timeout: Optional[timedelta]):
         self.store, self.pg, self.timeout = store, pg, timeout
-        self.group = _group_state(pg, store)
-        self.seq = self.group.seq
-        self.group.seq += 1
         self.limit = _deadline(pg, timeout).total_seconds()
         self.t0 = time.monotonic()
         self.rank = dist.get_rank()
         self.waited = 0.0  # seconds blocked until other ranks had written what this one needed
+        self.bounded = _file_backed(store)  # its operations run on _StoreThread, against the deadline
+        self.group = _group_state(pg, store, self._op)
+        self.seq = self.group.seq
+        self.group.seq += 1
 
     def _key(self, name: str, seq: Optional[int] = None) -> str:
         return f"{self.group.prefix}{self.seq if seq is None else seq}/{name}"
@@ -469,8 +535,12 @@ class _StoreAgreement:
     def _op(self, fn, *args):
         t = time.perf_counter()
         try:
+            if self.bounded:
+                # 1 s past the deadline: a store wait that honours it raises its own error first
+                left = self.limit - (time.monotonic() - self.t0)
+                return _bounded_store_call(fn, args, max(left, 0.0) + 1.0)
             return fn(*args)
-        except RuntimeError as e:  # DistStoreError: a deadline passed, or the store went away with its host
+        except (RuntimeError, TimeoutError) as e:  # a deadline passed, the store went away with its host
             limit = f"{self.timeout.total_seconds():g} s" if self.timeout is not None else "the group's timeout"
             raise CollectiveError(
                 f"coalesced_bcast: the agreement over {self.pg.size()} ranks failed on rank {self.rank} after "
