@@ -216,8 +216,11 @@ py::tuple load_dests(
       }
       const at::Tensor& t = THPVariable_Unpack(v);  // a DTensor: its global shape and dtype
       const auto sizes = t.sizes();
-      bool same_shape = static_cast<int64_t>(sizes.size()) == nd;
-      for (int64_t d = 0; same_shape && d < nd; ++d) same_shape = sizes[d] == row[2 + d];
+      // torch 0.3 saved scalars as 1-dim tensors of one element: load_state_dict copies such a value into
+      // a 0-dim model tensor (_load_from_state_dict), and so does this, through a 1-dim view of it.
+      const bool scalar_of_1dim = !vf.dtensor && sizes.empty() && nd == 1 && row[2] == 1;
+      bool same_shape = scalar_of_1dim || static_cast<int64_t>(sizes.size()) == nd;
+      for (int64_t d = 0; same_shape && !scalar_of_1dim && d < nd; ++d) same_shape = sizes[d] == row[2 + d];
       if (!same_shape) {
         std::ostringstream s;
         s << "size mismatch for " << kKeyMark << ": copying a param with shape torch.Size([";
@@ -248,7 +251,7 @@ py::tuple load_dests(
       // This rank's local tensor and the global offset of the box it holds.
       std::array<int64_t, 1 + kMaxDims> m{};
       m[0] = unit_of_row[c];
-      at::Tensor local = t;
+      at::Tensor local = scalar_of_1dim ? t.view({1}) : t;
       std::array<int64_t, kMaxDims> shape_buf{};
       std::copy(sizes.begin(), sizes.end(), shape_buf.begin());
       c10::IntArrayRef local_shape(shape_buf.data(), sizes.size());

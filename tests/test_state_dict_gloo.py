@@ -571,6 +571,7 @@ class _Legacy(nn.Module):
         self.bn = nn.BatchNorm1d(4)
         self.register_module("gone", None)  # a child set to None: checkpoint keys under it are passed over
         self.get_only = _GetOnly()
+        self.scale = nn.Parameter(torch.tensor(0.5))  # 0-dim
 
 
 def _forgive_aux(module: nn.Module, keys) -> None:
@@ -602,6 +603,11 @@ def _torch_semantics_body(rank: int, ws: int) -> None:
         "keys under a None child": (dict(full, **{"gone.weight": torch.ones(2)}), None),
         # The get-only module's extra state in the checkpoint: unexpected (torch has no set_extra_state to call).
         "extra state of a get-only module": (dict(full, **{"get_only._extra_state": {"kind": "x"}}), None),
+        # torch 0.3 saved scalars as 1-dim tensors of one element: they load into 0-dim tensors (cast too).
+        "0-dim tensors from 1-dim values of one element": (dict(full, **{
+            "bn.num_batches_tracked": torch.tensor([12]), "scale": torch.tensor([2.5], dtype=torch.float64)}), None),
+        # Of more than one element: a size mismatch.
+        "a 0-dim tensor from a 1-dim value of three": (dict(full, scale=torch.tensor([1.0, 2.0, 3.0])), None),
     }
     hooked = copy.deepcopy(model)
     hooked.aux = nn.Linear(2, 2)

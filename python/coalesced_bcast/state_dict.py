@@ -105,22 +105,20 @@ def load_full_state_dict(
         progress_seconds: the source logs bytes, GB/s and ETA at this interval for longer loads.
         timeout: seconds (or a timedelta) for each bucket's broadcast; default: the group's.
 
-    Keys are the model's ``state_dict()`` keys (persistent buffers only); a checkpoint value is cast
-    to the model tensor's dtype on the device after transfer. As ``load_state_dict``: batch norm's
-    ``num_batches_tracked`` may be absent from a checkpoint older than its version 2, keys under a child
-    set to None are passed over, a module's extra state is taken only where it overrides
-    ``set_extra_state``, expanded (stride-0) checkpoint tensors are read through their strides, tied
-    parameters receive the value of their last key, and the model's post-hooks run afterwards, children
-    first (FSDP2 registers one per parameter; those with nothing to do after the in-place writes are passed
-    over) and may clear missing or unexpected keys: where the model has such hooks (any but FSDP's own)
-    and ``strict`` finds keys, it is judged after them, so that error, as ``load_state_dict``'s, comes
-    after the tensors are written. Unlike it: custom ``_load_from_state_dict`` overrides and load pre-hooks,
-    which rewrite the incoming dict, do not run (nor the 0-dim-from-1-dim rule of torch 0.3 checkpoints),
-    and a ``set_extra_state`` that raises does so after the tensors are written. Non-persistent buffers are
-    not in a state dict and are left as they are. Any other error (missing or unexpected keys under
-    ``strict``, a shape mismatch, a bad value, a model that differs between ranks) is raised on every rank
-    before any tensor is written. On CUDA the caller's current stream is made to wait for the load: the
-    model can be used at once in stream order.
+    Keys are the model's ``state_dict()`` keys (persistent buffers only); a checkpoint value is cast to the model
+    tensor's dtype on the device after transfer. As ``load_state_dict``: batch norm's ``num_batches_tracked`` may be
+    absent from a checkpoint older than its version 2, a 1-dim checkpoint value of one element (torch 0.3's scalars)
+    loads into a 0-dim tensor, keys under a child set to None are passed over, a module's extra state is taken only
+    where it overrides ``set_extra_state``, expanded (stride-0) checkpoint tensors are read through their strides,
+    tied parameters receive the value of their last key, and the model's post-hooks run afterwards, children first
+    (FSDP2 registers one per parameter; those with nothing to do after the in-place writes are passed over) and may
+    clear missing or unexpected keys: where the model has such hooks (any but FSDP's own) and ``strict`` finds keys,
+    it is judged after them, so that error, as ``load_state_dict``'s, comes after the tensors are written. Unlike
+    it: custom ``_load_from_state_dict`` overrides and load pre-hooks, which rewrite the incoming dict, do not run,
+    and a ``set_extra_state`` that raises does so after the tensors are written. Non-persistent buffers are not in a
+    state dict and are left as they are. Any other error (missing or unexpected keys under ``strict``, a shape
+    mismatch, a bad value, a model that differs between ranks) is raised on every rank before any tensor is written.
+    On CUDA the caller's current stream is made to wait for the load: the model can be used at once in stream order.
     """
     t0 = time.perf_counter()
     pg = _resolve_group(group)
