@@ -6,69 +6,10 @@
 #include <vector>
 
 #include "chunks.h"
+#include "module_attrs.h"
 
 namespace coalesced_bcast {
 namespace {
-
-struct Attrs {
-  PyObject* modules = PyUnicode_InternFromString("_modules");
-  PyObject* parameters = PyUnicode_InternFromString("_parameters");
-  PyObject* buffers = PyUnicode_InternFromString("_buffers");
-  PyObject* get_extra_state = PyUnicode_InternFromString("get_extra_state");
-};
-
-const Attrs& attrs() {
-  static const Attrs a;  // made under the GIL, on first use
-  return a;
-}
-
-// m.name as a new reference if it is a dict, else empty (any error cleared).
-// Read from the instance's __dict__, where nn.Module keeps these (getattr on a
-// module goes through the type's __getattr__ hook); getattr where it is not.
-py::object dict_attr(PyObject* m, PyObject* own, PyObject* name) {
-  PyObject* v = own != nullptr ? PyDict_GetItemWithError(own, name) : nullptr;  // borrowed
-  if (v != nullptr) {
-    Py_INCREF(v);
-  } else {
-    PyErr_Clear();
-    v = PyObject_GetAttr(m, name);
-    if (v == nullptr) PyErr_Clear();
-  }
-  if (v != nullptr && !PyDict_Check(v)) Py_CLEAR(v);
-  return py::reinterpret_steal<py::object>(v);
-}
-
-// fn(key, value) over d's items in the order .items() gives them, as torch's
-// walks read them: a plain dict by PyDict_Next; a subclass (torch before 2.5
-// keeps OrderedDicts, whose order move_to_end changes) through .items().
-// False on an error (cleared) or where fn returns false.
-template <typename Fn>
-bool for_items(PyObject* d, const Fn& fn) {
-  if (PyDict_CheckExact(d)) {
-    Py_ssize_t pos = 0;
-    PyObject *key = nullptr, *value = nullptr;
-    while (PyDict_Next(d, &pos, &key, &value)) {
-      if (!fn(key, value)) return false;
-    }
-    return true;
-  }
-  py::object items = py::reinterpret_steal<py::object>(PyObject_CallMethod(d, "items", nullptr));
-  py::object it = items ? py::reinterpret_steal<py::object>(PyObject_GetIter(items.ptr())) : py::object();
-  if (!it) {
-    PyErr_Clear();
-    return false;
-  }
-  while (PyObject* raw = PyIter_Next(it.ptr())) {
-    py::object item = py::reinterpret_steal<py::object>(raw);
-    if (!PyTuple_Check(raw) || PyTuple_GET_SIZE(raw) != 2) return false;
-    if (!fn(PyTuple_GET_ITEM(raw, 0), PyTuple_GET_ITEM(raw, 1))) return false;
-  }
-  if (PyErr_Occurred()) {
-    PyErr_Clear();
-    return false;
-  }
-  return true;
-}
 
 // A module's three dicts, read through its __dict__ once; false where one is
 // not a dict. Its children are prefetched: siblings' misses overlap.
@@ -77,7 +18,7 @@ struct ModuleDicts {
 };
 
 bool read_module(PyObject* m, ModuleDicts& out) {
-  const auto& a = attrs();
+  const auto& a = module_attrs();
   py::object own = py::reinterpret_steal<py::object>(PyObject_GenericGetDict(m, nullptr));
   if (!own) PyErr_Clear();
   out = {dict_attr(m, own.ptr(), a.modules), dict_attr(m, own.ptr(), a.parameters),
@@ -126,7 +67,7 @@ struct LoadWalk {
   bool overridden(PyObject* m) {
     auto [it, fresh] = overrides.try_emplace(Py_TYPE(m), false);
     if (fresh) {
-      PyObject* f = PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(m)), attrs().get_extra_state);
+      PyObject* f = PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(m)), module_attrs().get_extra_state);
       if (f == nullptr) PyErr_Clear();
       it->second = f != nullptr && f != base;
       Py_XDECREF(f);

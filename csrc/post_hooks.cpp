@@ -11,35 +11,25 @@
 #include <vector>
 
 #include "chunks.h"
+#include "module_attrs.h"
 
 namespace coalesced_bcast {
 namespace {
 
-// Attribute names, interned once (a name made per read costs its hashing).
-struct Names {
+// FSDP2's attribute names, interned once (a name made per read costs its hashing).
+struct FsdpNames {
   PyObject* module_info = PyUnicode_InternFromString("_module_info");
   PyObject* sharded_param = PyUnicode_InternFromString("sharded_param");
   PyObject* module = PyUnicode_InternFromString("module");
   PyObject* param_name = PyUnicode_InternFromString("param_name");
-  PyObject* parameters = PyUnicode_InternFromString("_parameters");
   PyObject* param_data = PyUnicode_InternFromString("_sharded_param_data");
   PyObject* local_tensor = PyUnicode_InternFromString("_local_tensor");
   PyObject* pin_memory = PyUnicode_InternFromString("pin_memory");
-  PyObject* modules = PyUnicode_InternFromString("_modules");
-  PyObject* post_hooks = PyUnicode_InternFromString("_load_state_dict_post_hooks");
 };
 
-const Names& names() {
-  static const Names n;  // made under the GIL, on first use
+const FsdpNames& names() {
+  static const FsdpNames n;  // made under the GIL, on first use
   return n;
-}
-
-// obj.name as a new reference, or an empty object with the error cleared (a
-// missing attribute only means "not FSDP2's hook as we know it").
-py::object get(PyObject* obj, PyObject* name) {
-  PyObject* v = PyObject_GetAttr(obj, name);
-  if (v == nullptr) PyErr_Clear();
-  return py::reinterpret_steal<py::object>(v);
 }
 
 bool ends_with(PyObject* str, const char* tail) {
@@ -71,11 +61,11 @@ bool judge(PyObject* m, PyObject* hook) {
   PyObject* fp = fsdp_param_of(hook);
   if (fp == nullptr) return false;
   const auto& n = names();
-  py::object info = get(fp, n.module_info), param = get(fp, n.sharded_param);
+  py::object info = attr_or_empty(fp, n.module_info), param = attr_or_empty(fp, n.sharded_param);
   if (!info || !param) return false;
-  py::object owner = get(info.ptr(), n.module);
+  py::object owner = attr_or_empty(info.ptr(), n.module);
   if (!owner || owner.ptr() != m) return false;
-  py::object pname = get(info.ptr(), n.param_name), params = get(m, n.parameters);
+  py::object pname = attr_or_empty(info.ptr(), n.param_name), params = attr_or_empty(m, module_attrs().parameters);
   if (!pname || !params || !PyDict_Check(params.ptr())) return false;
   PyObject* held = PyDict_GetItemWithError(params.ptr(), pname.ptr());  // borrowed
   if (held == nullptr) {
@@ -83,7 +73,7 @@ bool judge(PyObject* m, PyObject* hook) {
     return false;
   }
   if (held != param.ptr()) return false;
-  py::object data = get(fp, n.param_data), local = get(param.ptr(), n.local_tensor);
+  py::object data = attr_or_empty(fp, n.param_data), local = attr_or_empty(param.ptr(), n.local_tensor);
   // type(data) is torch.Tensor: FSDP2's padded storage, a plain tensor
   if (!data || !local || Py_TYPE(data.ptr()) != reinterpret_cast<PyTypeObject*>(THPVariableClass) ||
       !THPVariable_Check(local.ptr())) {
@@ -95,7 +85,7 @@ bool judge(PyObject* m, PyObject* hook) {
     if (!shard.has_storage() || !padded.has_storage()) return false;
     const void* ptr = shard.const_data_ptr();
     if (ptr == nullptr || ptr != padded.const_data_ptr()) return false;
-    py::object pin = get(fp, n.pin_memory);
+    py::object pin = attr_or_empty(fp, n.pin_memory);
     if (!pin) return false;
     const int pinned = PyObject_IsTrue(pin.ptr());
     if (pinned < 0) {
@@ -112,20 +102,14 @@ bool judge(PyObject* m, PyObject* hook) {
 // module reached twice is visited twice, as there. False where a module cannot
 // be read as one.
 bool collect(PyObject* m, std::vector<std::pair<PyObject*, py::object>>& out) {
-  const auto& n = names();
-  py::object children = get(m, n.modules);
-  if (!children || !PyDict_Check(children.ptr())) return false;
-  Py_ssize_t pos = 0;
-  PyObject *key = nullptr, *child = nullptr;
-  while (PyDict_Next(children.ptr(), &pos, &key, &child)) {
-    if (child != Py_None && !collect(child, out)) return false;
-  }
-  py::object hooks = get(m, n.post_hooks);
-  if (!hooks || !PyDict_Check(hooks.ptr())) return false;
-  pos = 0;
-  PyObject* hook = nullptr;
-  while (PyDict_Next(hooks.ptr(), &pos, &key, &hook)) out.emplace_back(m, py::reinterpret_borrow<py::object>(hook));
-  return true;
+  const auto& a = module_attrs();
+  py::object children = attr_or_empty(m, a.modules), hooks = attr_or_empty(m, a.load_post_hooks);
+  if (!children || !PyDict_Check(children.ptr()) || !hooks || !PyDict_Check(hooks.ptr())) return false;
+  const auto child_hooks = [&](PyObject*, PyObject* child) { return child == Py_None || collect(child, out); };
+  return for_items(children.ptr(), child_hooks) && for_items(hooks.ptr(), [&](PyObject*, PyObject* hook) {
+           out.emplace_back(m, py::reinterpret_borrow<py::object>(hook));
+           return true;
+         });
 }
 
 constexpr size_t kGroup = 16;
@@ -158,19 +142,19 @@ bool all_judged_idle(const std::vector<std::pair<PyObject*, py::object>>& hooks)
       prefetch_object(obj[b]);
     }
     for (size_t b = 0; b < g; ++b) {  // -> their parameters, padded storage and module info
-      param[b] = get(obj[b], nm.sharded_param);
-      data[b] = get(obj[b], nm.param_data);
-      info[b] = get(obj[b], nm.module_info);
+      param[b] = attr_or_empty(obj[b], nm.sharded_param);
+      data[b] = attr_or_empty(obj[b], nm.param_data);
+      info[b] = attr_or_empty(obj[b], nm.module_info);
       if (!param[b] || !data[b] || !info[b]) return false;
       prefetch_object(param[b].ptr());
       prefetch_object(data[b].ptr());
       prefetch_object(info[b].ptr());
     }
     for (size_t b = 0; b < g; ++b) {  // -> the TensorImpls and parameter names
-      py::object name = get(info[b].ptr(), nm.param_name);
+      py::object name = attr_or_empty(info[b].ptr(), nm.param_name);
       if (name) __builtin_prefetch(name.ptr());  // its hash, for the module's _parameters
       if (THPVariable_Check(data[b].ptr())) prefetch_impl(THPVariable_Unpack(data[b].ptr()).unsafeGetTensorImpl());
-      py::object local = get(param[b].ptr(), nm.local_tensor);
+      py::object local = attr_or_empty(param[b].ptr(), nm.local_tensor);
       if (!local || !THPVariable_Check(local.ptr())) return false;
       prefetch_impl(THPVariable_Unpack(local.ptr()).unsafeGetTensorImpl());
     }
