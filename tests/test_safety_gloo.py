@@ -500,6 +500,29 @@ def test_rank_killed_while_writing_to_the_file_store(tmp_path):
     assert r["type"] == "CollectiveError" and 1 < r["seconds"] < 1 + 1 + SLACK_S, r
 
 
+def test_store_threads_keep_callers_apart_and_abandon_a_stuck_operation():
+    # A FileStore's operations run on helper threads (agree._StoreThread). One that never returns is
+    # abandoned at the caller's deadline, and the next call gets another thread.
+    release = threading.Event()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"did not answer within 0\.3 s"):
+        agree._bounded_store_call(release.wait, (), 0.3)
+    assert 0.3 <= time.monotonic() - t0 < 0.3 + SLACK_S
+    assert agree._bounded_store_call(lambda x: x + 1, (1,), 5) == 2
+    # A long operation (a store wait) on one thread holds up no other thread's.
+    slow = threading.Thread(target=agree._bounded_store_call, args=(time.sleep, (3.0,), 10))
+    slow.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    assert agree._bounded_store_call(lambda: "quick", (), 5) == "quick"
+    assert time.monotonic() - t0 < 2.0
+    slow.join()
+    # The operation's own error is the caller's.
+    with pytest.raises(KeyError):
+        agree._bounded_store_call({}.__getitem__, ("k",), 5)
+    release.set()
+
+
 def test_rank_dead_before_the_call_three_ranks(tmp_path):
     run_ranks(3, _died_before_call_body, str(tmp_path), timeout=60)
     for rank, r in _results(tmp_path, "died_before_call", [0, 2]).items():

@@ -426,10 +426,10 @@ class _StoreThread:
     and torch's FileStore then never returns from any operation: its read loop makes no progress at the
     end of the file (0 bytes read) and spins, holding the store's mutex. Waiting on this thread, the
     caller raises at its deadline instead; the thread is abandoned to its spin (the group is unusable
-    then anyway) and the next operation gets a new thread."""
+    then anyway), and the operation's bound method keeps the store alive: FileStore's destructor would
+    wait for that mutex, and the process could not exit."""
 
     def __init__(self) -> None:
-        self.pid = os.getpid()  # a forked child has the object but not the thread
         self.jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         threading.Thread(target=self._serve, name="coalesced_bcast-filestore", daemon=True).start()
 
@@ -457,21 +457,37 @@ class _StoreThread:
         raise value
 
 
-_store_thread: Optional[_StoreThread] = None
+# Idle store threads. A caller takes one for its operation (or starts one), so that callers on other
+# threads (syncs on other groups) never queue behind a long store wait; a thread whose operation did not
+# return is not put back.
+_idle_store_threads: list[_StoreThread] = []
+_idle_lock = threading.Lock()
+
+
+def _forget_store_threads() -> None:  # a forked child has the objects, not the threads
+    global _idle_lock
+    _idle_lock = threading.Lock()
+    _idle_store_threads.clear()
+
+
+os.register_at_fork(after_in_child=_forget_store_threads)
 
 
 def _bounded_store_call(fn, args: tuple, seconds: float):
-    """fn(*args) on the store thread. A thread that did not return is left to its operation, whose bound
-    method keeps the store alive: FileStore's destructor would wait for the mutex that operation holds,
-    and the process could not exit."""
-    global _store_thread
-    if _store_thread is None or _store_thread.pid != os.getpid():
-        _store_thread = _StoreThread()
+    """fn(*args) on an idle store thread, or TimeoutError after `seconds`."""
+    with _idle_lock:
+        worker = _idle_store_threads.pop() if _idle_store_threads else None
+    if worker is None:
+        worker = _StoreThread()
     try:
-        return _store_thread.call(fn, args, seconds)
+        return worker.call(fn, args, seconds)
     except TimeoutError:
-        _store_thread = None
+        worker = None  # still inside fn: abandoned
         raise
+    finally:
+        if worker is not None:
+            with _idle_lock:
+                _idle_store_threads.append(worker)
 
 
 def store_max_ranks() -> int:
