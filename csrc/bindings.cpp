@@ -407,7 +407,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The first i with owners[i][keys[i]] not tensors[i], or -1");
   m.def("load_dests", &load_dests, py::arg("values"), py::arg("rows"), py::arg("table"), py::arg("canon_rows"),
         py::arg("owned_ids"), py::arg("dtensor_type"), py::arg("shard_type"), py::arg("replicate_type"),
-        py::arg("mesh_facts"), py::arg("nd_box"), py::arg("device"), py::arg("rank"),
+        py::arg("mesh_facts"), py::arg("nd_box"), py::arg("device"), py::arg("rank"), py::arg("scalar_from_any_1dim"),
         "A load's model side: per kept state-dict value its unit, this rank's local tensor and box offset, the "
         "keys cast, and what is wrong (csrc/load_dests.h)");
   m.attr("key_mark") = kKeyMark;

@@ -168,7 +168,8 @@ py::tuple load_dests(
     const py::function& mesh_facts,
     const py::function& nd_box,
     c10::Device device,
-    int64_t rank) {
+    int64_t rank,
+    bool scalar_from_any_1dim) {
   const auto n = static_cast<int64_t>(values.size());
   TORCH_CHECK_VALUE(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.numel() == n, "rows must be int64 [",
                     n, "], got ", rows.toString(), " of ", rows.numel());
@@ -217,8 +218,10 @@ py::tuple load_dests(
       const at::Tensor& t = THPVariable_Unpack(v);  // a DTensor: its global shape and dtype
       const auto sizes = t.sizes();
       // torch 0.3 saved scalars as 1-dim tensors of one element: load_state_dict copies such a value into
-      // a 0-dim model tensor (_load_from_state_dict), and so does this, through a 1-dim view of it.
-      const bool scalar_of_1dim = !vf.dtensor && sizes.empty() && nd == 1 && row[2] == 1;
+      // a 0-dim model tensor (_load_from_state_dict), and so does this, through a 1-dim view of it (the box
+      // [0, 1) of the value).
+      const bool scalar_of_1dim =
+          !vf.dtensor && sizes.empty() && nd == 1 && (row[2] == 1 || (scalar_from_any_1dim && row[2] > 1));
       bool same_shape = scalar_of_1dim || static_cast<int64_t>(sizes.size()) == nd;
       for (int64_t d = 0; same_shape && !scalar_of_1dim && d < nd; ++d) same_shape = sizes[d] == row[2 + d];
       if (!same_shape) {

@@ -25,6 +25,9 @@ constexpr const char* kKeyMark = "\x01key\x01";
 // nd_box(mesh, placements, shape) -> (problem or None, offset or None, local
 // shape), for meshes of other than one dim; device: the model's (first_device),
 // which every local tensor with elements must be on, none on meta.
+// A 0-dim model tensor takes a 1-dim checkpoint value of one element (torch
+// 0.3's scalars), as load_state_dict does; with scalar_from_any_1dim, its
+// first element of any length (as torch 2.4's load_state_dict does).
 // Returns (local tensors as a TensorList (tensor_list.h), dest meta int64 [m, 1 + kMaxDims], units table
 // int64 [U, 2 + kMaxDims], each unit's source row int64 [U], keys cast,
 // [(value index, message with kKeyMark for its key)]). A tensor named by two
@@ -42,7 +45,8 @@ py::tuple load_dests(
     const py::function& mesh_facts,
     const py::function& nd_box,
     c10::Device device,
-    int64_t rank);
+    int64_t rank,
+    bool scalar_from_any_1dim);
 
 // The device of the first tensor among `values` (DTensors: their local
 // tensors) that has elements or is on the meta device, and its index; (none,

@@ -18,6 +18,7 @@ allocated anywhere: a tensor larger than a bucket is split across buckets.
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import itertools
 import logging
@@ -108,17 +109,18 @@ def load_full_state_dict(
     Keys are the model's ``state_dict()`` keys (persistent buffers only); a checkpoint value is cast to the model
     tensor's dtype on the device after transfer. As ``load_state_dict``: batch norm's ``num_batches_tracked`` may be
     absent from a checkpoint older than its version 2, a 1-dim checkpoint value of one element (torch 0.3's scalars)
-    loads into a 0-dim tensor, keys under a child set to None are passed over, a module's extra state is taken only
-    where it overrides ``set_extra_state``, expanded (stride-0) checkpoint tensors are read through their strides,
-    tied parameters receive the value of their last key, and the model's post-hooks run afterwards, children first
-    (FSDP2 registers one per parameter; those with nothing to do after the in-place writes are passed over) and may
-    clear missing or unexpected keys: where the model has such hooks (any but FSDP's own) and ``strict`` finds keys,
-    it is judged after them, so that error, as ``load_state_dict``'s, comes after the tensors are written. Unlike
-    it: custom ``_load_from_state_dict`` overrides and load pre-hooks, which rewrite the incoming dict, do not run,
-    and a ``set_extra_state`` that raises does so after the tensors are written. Non-persistent buffers are not in a
-    state dict and are left as they are. Any other error (missing or unexpected keys under ``strict``, a shape
-    mismatch, a bad value, a model that differs between ranks) is raised on every rank before any tensor is written.
-    On CUDA the caller's current stream is made to wait for the load: the model can be used at once in stream order.
+    loads into a 0-dim tensor (of any length, its first element, where this torch's does so), keys under a child set
+    to None are passed over, a module's extra state is taken only where it overrides ``set_extra_state``, expanded
+    (stride-0) checkpoint tensors are read through their strides, tied parameters receive the value of their last
+    key, and the model's post-hooks run afterwards, children first (FSDP2 registers one per parameter; those with
+    nothing to do after the in-place writes are passed over) and may clear missing or unexpected keys: where the
+    model has such hooks (any but FSDP's own) and ``strict`` finds keys, it is judged after them, so that error, as
+    ``load_state_dict``'s, comes after the tensors are written. Unlike it: custom ``_load_from_state_dict``
+    overrides and load pre-hooks, which rewrite the incoming dict, do not run, and a ``set_extra_state`` that raises
+    does so after the tensors are written. Non-persistent buffers are not in a state dict and are left as they are.
+    Any other error (missing or unexpected keys under ``strict``, a shape mismatch, a bad value, a model that
+    differs between ranks) is raised on every rank before any tensor is written. On CUDA the caller's current stream
+    is made to wait for the load: the model can be used at once in stream order.
     """
     t0 = time.perf_counter()
     pg = _resolve_group(group)
@@ -450,7 +452,7 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
 
     local, meta_t, units_t, unit_src_rows, plan.cast_keys, problems = _C.load_dests(
         values, value_rows, meta["table"], meta["canon"], owned, DTensor, Shard,
-        Replicate, mesh_facts, nd_box, device, rank)
+        Replicate, mesh_facts, nd_box, device, rank, _scalar_from_any_1dim())
     plan.errors += [msg.replace(_C.key_mark, value_keys[i]) for i, msg in problems]
     plan.num_keys = len(load_keys)
     plan.digest = _digest(load_keys, extra)
@@ -593,6 +595,19 @@ def _key_editing_hooks(model: nn.Module) -> bool:
     any but FSDP's own, which re-pad shards and leave the keys alone."""
     return any(not (getattr(hook, "__module__", None) or "").startswith("torch.distributed.fsdp")
                for m in model.modules() for hook in m._load_state_dict_post_hooks.values())
+
+
+@functools.lru_cache(maxsize=None)
+def _scalar_from_any_1dim() -> bool:
+    """Whether this torch's load_state_dict puts the first element of a 1-dim value of any length into a 0-dim
+    tensor (its rule for torch 0.3 checkpoints; later versions take a value of one element only)."""
+    m = nn.Module()
+    m.register_buffer("x", torch.zeros(()))
+    try:
+        m.load_state_dict({"x": torch.ones(2)})
+    except RuntimeError:
+        return False
+    return True
 
 
 def _dtensor_box(mesh, placements, shape: tuple[int, ...]):
