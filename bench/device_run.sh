@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one call on the device machine (nvidia-h200-x2):
 #   bash bench/device_run.sh [STEP...]     steps: env build gputest refittest refit bench trace init agree fsdp2 loadcheck loadphases modulewalk soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta torchsuite_ddp accelerate planhost copykernels (default: all but the torchsuite ones)
-# Builds the extension in place with the machine's own torch, then runs each step. Logs and results
+# Builds the extension in place with the machine's own torch (or takes prebuilt/, carried, made here by
+# scripts/prebuild_device.sh for these sources and that torch), then runs each step. Logs and results
 # go to $LOGS (default /tmp/device_run) and, after every step, into one archive $OUT/device_run.tgz
 # (the device tool returns at most 8 files, and a run cut short by its time limit still returns
 # what finished). A failing step is reported and the next one still runs.
@@ -30,7 +31,24 @@ step() {  # step NAME TIMEOUT COMMAND...
   tar czf "$OUT/device_run.tgz" -C "$LOGS" .
 }
 
+prebuilt() {  # the build that scripts/prebuild_device.sh made (carry prebuilt/), if it is of these sources and this torch
+  [ -f prebuilt/STAMP ] || return 1
+  local want
+  want="$(bash scripts/source_stamp.sh) $($PY -c 'import torch; print(torch.__version__, torch.version.git_version)')"
+  if [ "$(cat prebuilt/STAMP)" != "$want" ]; then
+    echo "prebuilt/ is of other sources or another torch: building here"
+    return 1
+  fi
+  cp prebuilt/_C.*.so prebuilt/_build_info.py python/coalesced_bcast/ && $PY bench/probe_errors.py &&
+    echo "using prebuilt/ ($want)" && return 0
+  echo "prebuilt/ does not load or crashes on errors here: building"
+  rm -f python/coalesced_bcast/_C.*.so
+  return 1
+}
+export -f prebuilt
+
 build() {  # build, then make sure errors from C++ arrive as Python exceptions (see setup.py's pick_host_compiler)
+  prebuilt && return 0
   echo "CC=${CC:-} CXX=${CXX:-}"
   $PY setup.py build_ext --inplace || return 1
   $PY bench/probe_errors.py && return 0
