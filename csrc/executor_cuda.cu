@@ -126,7 +126,9 @@ class CudaExecutor final : public Executor {
         copy_(lane_stream_of(plan.device.index(), Lane::kCopy, /*high_priority=*/false)),
         send_(plan.is_refit ? lane_stream_of(plan.device.index(), Lane::kSend, comm_high_priority()) : comm_),
         events_(3 * static_cast<size_t>(plan.ring_slots)),
-        offsets_(table_offsets(plan)) {}
+        offsets_(table_offsets(plan)),
+        by_alloc_(pinned_by_alloc()),
+        join_copies_(join_direct_copies()) {}
 
   void begin() override {
     at::cuda::CUDAEvent start;
@@ -246,15 +248,50 @@ class CudaExecutor final : public Executor {
   }
 
   // Page-locked host memory that kernels can read at the same address (mapped, as cudaHostAlloc's is
-  // under unified addressing); pageable memory answers no.
-  bool pinned(uint64_t ptr) {
+  // under unified addressing); pageable memory answers no. Host run i of the plan: torch's pinned
+  // memory is known by its allocator (the deleter the plan kept); other memory (registered, mapped
+  // files, pageable) is asked of CUDA once per address.
+  bool pinned(int64_t i) {
+    if (by_alloc_ && static_cast<size_t>(i) < plan_.host_allocs.size() && plan_.host_allocs[i] != nullptr &&
+        plan_.host_allocs[i] == torch_pinned_deleter()) {
+      return true;
+    }
+    const uint64_t ptr = plan_.host_ops[i].tensor_ptr;
     auto it = pinned_.find(ptr);
     if (it != pinned_.end()) return it->second;
+    return pinned_[ptr] = mapped_host(ptr);
+  }
+
+  static bool mapped_host(uint64_t ptr) {
     cudaPointerAttributes attr{};
     const bool yes = cudaPointerGetAttributes(&attr, reinterpret_cast<const void*>(ptr)) == cudaSuccess &&
         attr.type == cudaMemoryTypeHost && reinterpret_cast<uint64_t>(attr.devicePointer) == ptr;
     (void)cudaGetLastError();  // pageable memory may report an error on older drivers
-    return pinned_[ptr] = yes;
+    return yes;
+  }
+
+  // The deleter of the memory torch's pinned allocator hands out, where that memory is mapped at its
+  // own address (checked once, on a block of it; the allocator's mode is fixed for the process); else
+  // null.
+  static c10::DeleterFnPtr torch_pinned_deleter() {
+    static const c10::DeleterFnPtr deleter = [] {
+      const auto probe = at::empty({kAlign}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+      const auto& data = probe.storage().data_ptr();
+      return mapped_host(reinterpret_cast<uint64_t>(data.get())) ? data.get_deleter() : nullptr;
+    }();
+    return deleter;
+  }
+
+  // COALESCED_BCAST_PINNED_BY=cuda: every host run's memory is asked of CUDA (an A/B switch of the bench).
+  static bool pinned_by_alloc() {
+    const char* v = std::getenv("COALESCED_BCAST_PINNED_BY");
+    return v == nullptr || std::string(v) != "cuda";
+  }
+
+  // COALESCED_BCAST_HOST_COPIES=per_run: a copy per direct run, adjacent or not (an A/B switch of the bench).
+  static bool join_direct_copies() {
+    const char* v = std::getenv("COALESCED_BCAST_HOST_COPIES");
+    return v == nullptr || std::string(v) != "per_run";
   }
 
   // COALESCED_BCAST_HOST_READ=stage: small pinned runs go through the host ring like pageable ones
@@ -264,9 +301,10 @@ class CudaExecutor final : public Executor {
     return v == nullptr || std::string(v) != "stage";
   }
 
-  // A run the copy engine takes straight from the caller's pinned tensor.
-  bool direct(const CopyOp& op) {
-    return op.layout < 0 && op.nbytes >= kDirectMin && pinned(op.tensor_ptr);
+  // Host run i when the copy engine takes it straight from the caller's pinned tensor.
+  bool direct(int64_t i) {
+    const auto& op = plan_.host_ops[i];
+    return op.layout < 0 && op.nbytes >= kDirectMin && pinned(i);
   }
 
   // Bucket k's host-memory runs into the device slot, on the copy lane. Large pinned runs: the copy
@@ -282,17 +320,37 @@ class CudaExecutor final : public Executor {
     bool others_pinned = true;
     int64_t strided_bytes = 0;
     staged_.clear();  // the runs that are not direct
+    // Direct runs that continue one another both in host memory and in the slot (views of one pinned
+    // buffer, in stream order) go up as one copy: the copy engine pays a few microseconds per copy.
+    uint8_t* span_dev = nullptr;
+    const uint8_t* span_host = nullptr;
+    int64_t span_len = 0;
+    const auto copy_span = [&] {
+      if (span_len > 0) {
+        C10_CUDA_CHECK(cudaMemcpyAsync(span_dev, span_host, span_len, cudaMemcpyHostToDevice, copy_.stream()));
+      }
+      span_len = 0;
+    };
     for (int64_t i = b.first_host; i < b.first_host + b.num_host; ++i) {
       const auto& op = plan_.host_ops[i];
-      if (direct(op)) {
-        C10_CUDA_CHECK(cudaMemcpyAsync(dev + op.bucket_offset, reinterpret_cast<const uint8_t*>(op.tensor_ptr) +
-                                       op.tensor_offset, op.nbytes, cudaMemcpyHostToDevice, copy_.stream()));
+      if (direct(i)) {
+        uint8_t* d = dev + op.bucket_offset;
+        const uint8_t* h = reinterpret_cast<const uint8_t*>(op.tensor_ptr) + op.tensor_offset;
+        if (span_len > 0 && join_copies_ && d == span_dev + span_len && h == span_host + span_len) {
+          span_len += op.nbytes;
+          continue;
+        }
+        copy_span();
+        span_dev = d;
+        span_host = h;
+        span_len = op.nbytes;
       } else {
         staged_.push_back(op);
-        others_pinned = others_pinned && pinned(op.tensor_ptr);
+        others_pinned = others_pinned && pinned(i);
         if (op.layout >= 0) strided_bytes += op.nbytes;
       }
     }
+    copy_span();
     if (staged_.empty()) return;
     // Strided runs are read element by element, a bus transaction each: a few are cheaper read so than
     // staged, a bucket's worth is not (the threads gather them from host memory instead).
@@ -393,6 +451,8 @@ class CudaExecutor final : public Executor {
   std::vector<at::cuda::CUDAEvent> host_free_;
   std::vector<bool> host_used_;
   std::unique_ptr<HostStager> stager_;
+  const bool by_alloc_;  // torch's pinned memory known by its allocator
+  const bool join_copies_;  // adjacent direct runs in one copy
   std::unordered_map<uint64_t, bool> pinned_;
   std::vector<CopyOp> staged_;
 };

@@ -39,6 +39,7 @@ void add_pack_runs(Plan& plan, const Unit& u, const at::Tensor& t, int64_t index
     layout = static_cast<int32_t>(plan.layouts.size() - 1);
   }
   const auto ptr = reinterpret_cast<uint64_t>(t.data_ptr());
+  const c10::DeleterFnPtr alloc = host ? t.storage().data_ptr().get_deleter() : nullptr;
   const int64_t B = plan.options.bucket_bytes;
   for (int64_t off = 0; off < u.nbytes;) {
     const int64_t pos = u.offset + off;
@@ -48,6 +49,7 @@ void add_pack_runs(Plan& plan, const Unit& u, const at::Tensor& t, int64_t index
                                                        static_cast<int32_t>(u.elem_size)});
     run_bucket.push_back(static_cast<int32_t>(k));
     run_host.push_back(host);
+    if (host) plan.host_allocs.push_back(alloc);
     if (!host) op_source.push_back(index);
     off += len;
   }

@@ -84,6 +84,92 @@ def test_load_pinned_sources_on_one_gpu(host_read, monkeypatch):
     run_ranks(1, _mixed_body, True, backend="nccl", timeout=200)
 
 
+def _load_zeroed(model, sd, switch, value, **options):
+    """A load into `model` zeroed first, with the A/B switch `switch` set to `value` (None: unset) for it alone."""
+    for p in model.parameters():
+        p.data.zero_()
+    if value is not None:
+        os.environ[switch] = value
+    try:
+        return coalesced_bcast.load_full_state_dict(model, sd, **options)
+    finally:
+        os.environ.pop(switch, None)
+
+
+def _registered_body(rank, world_size):
+    # Host memory pinned two ways: by torch's allocator (known by its deleter) and by cudaHostRegister on
+    # pageable memory (asked of CUDA); large runs (2 MiB, the copy engine's) and small ones (64 KiB, the
+    # copy kernel's) of each, then one small pageable run among them (the host ring's).
+    full, model = _int16_weights(21, 4, 1 << 20)
+    small, model_small = _int16_weights(22, 4, 32 << 10)
+    for k, v in small.items():
+        model.register_parameter("s" + k, model_small.get_parameter(k))
+    full.update({"s" + k: v for k, v in small.items()})
+    arena = torch.empty(sum(v.numel() for k, v in full.items() if k in ("w1", "w3", "sw1", "sw3")), dtype=torch.int16)
+    cudart = torch.cuda.cudart()
+    assert int(cudart.cudaHostRegister(arena.data_ptr(), arena.numel() * 2, 0)) == 0
+    try:
+        sd, at = {}, 0
+        for k, v in full.items():
+            if k in ("w1", "w3", "sw1", "sw3"):  # views of the registered arena: CPU allocator's storage
+                sd[k] = arena[at:at + v.numel()].copy_(v.cpu())
+                at += v.numel()
+            else:
+                sd[k] = v.cpu().pin_memory()
+        assert all(v.is_pinned() for v in sd.values())
+        routes = []
+        for pageable in (False, True):
+            if pageable:
+                sd["sw0"] = sd["sw0"].clone()  # pageable
+            for by in (None, "cuda"):
+                stats = _load_zeroed(model, sd, "COALESCED_BCAST_PINNED_BY", by)
+                torch.cuda.synchronize()
+                for k, v in full.items():
+                    assert torch.equal(model.get_parameter(k), v), (k, pageable, by)
+                routes.append((pageable, by, stats.host_ring_bytes, stats.direct_buckets))
+        # All pinned: nothing is staged through the host ring, whichever way pinned memory is known.
+        assert [r[2] == 0 for r in routes] == [True, True, False, False], routes
+        assert routes[0][3] == routes[1][3] and routes[2][3] == routes[3][3], routes
+    finally:
+        cudart.cudaHostUnregister(arena.data_ptr())
+
+
+def test_load_knows_memory_pinned_by_torch_and_by_cuda_host_register():
+    run_ranks(1, _registered_body, backend="nccl", timeout=200)
+
+
+def _flat_pinned_body(rank, world_size):
+    # Views of one pinned buffer in stream order: adjacent direct runs go up as one copy. Sizes of whole
+    # 16-byte words (adjacent in the slot too), an odd one (padding after it: a new copy), one larger than a
+    # bucket (cut at the bucket's end), small ones between (the copy kernel's), in 4 MiB buckets.
+    dev = torch.device("cuda", 0)
+    numels = [150_000, 200_000, 130_001, 400_000, 3_000_000, 1_000, 300_000, 2_000, 140_000, 260_000]
+    g = torch.Generator(device=dev).manual_seed(5)
+    full = {f"t{i}": torch.randint(-2**15, 2**15, (n,), dtype=torch.int16, device=dev, generator=g)
+            for i, n in enumerate(numels)}
+    model = nn.Module()
+    for k, v in full.items():
+        model.register_parameter(k, nn.Parameter(torch.zeros_like(v), requires_grad=False))
+    flat = torch.empty(sum(numels), dtype=torch.int16, pin_memory=True)
+    sd, at = {}, 0
+    for k, v in full.items():
+        sd[k] = flat[at:at + v.numel()].copy_(v.cpu())
+        at += v.numel()
+    for copies in (None, "per_run"):
+        stats = _load_zeroed(model, sd, "COALESCED_BCAST_HOST_COPIES", copies, bucket_bytes=4 << 20)
+        assert stats.host_ring_bytes == 0 and stats.buckets >= 3, stats
+        saved = flat.clone()
+        flat.fill_(0)  # the load is done with the source once it returns
+        torch.cuda.synchronize()
+        for k, v in full.items():
+            assert torch.equal(model.get_parameter(k), v), (k, copies)
+        flat.copy_(saved)
+
+
+def test_load_from_views_of_one_pinned_buffer():
+    run_ranks(1, _flat_pinned_body, backend="nccl", timeout=200)
+
+
 def _int16_weights(seed, count, numel):
     """`count` random int16 tensors of `numel` on the GPU, and a model of zeroed parameters of their names."""
     dev = torch.device("cuda", 0)
