@@ -22,7 +22,7 @@ bool mark_direct(Plan& plan, int64_t k, std::vector<SpanRun>& runs,
             [](const SpanRun& a, const SpanRun& b) { return a.bucket_offset < b.bucket_offset; });
   const auto& first = runs.front();
   if (first.bucket_offset != 0 || first.storage == nullptr ||
-      std::find(excluded.begin(), excluded.end(), first.storage) != excluded.end()) {
+      std::binary_search(excluded.begin(), excluded.end(), first.storage)) {
     return false;
   }
   const uint64_t base = first.address;  // the bucket's byte 0 in this rank's memory

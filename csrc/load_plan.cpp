@@ -19,7 +19,8 @@ namespace {
 
 // The runs that pack unit `u` of the source (its tensor `t`), cut at bucket boundaries.
 void add_pack_runs(Plan& plan, const Unit& u, const at::Tensor& t, int64_t index, std::vector<int32_t>& run_bucket,
-                   std::vector<bool>& run_host, std::vector<int64_t>& op_source) {
+                   std::vector<bool>& run_host, std::vector<int64_t>& op_source,
+                   std::vector<const c10::StorageImpl*>& op_storage) {
   // Worded only when a check fails: made for every tensor, the words cost more than the checks.
   const auto what = [&] {
     return "checkpoint tensor " + std::to_string(index) + " on source rank " + std::to_string(plan.options.rank);
@@ -50,7 +51,10 @@ void add_pack_runs(Plan& plan, const Unit& u, const at::Tensor& t, int64_t index
     run_bucket.push_back(static_cast<int32_t>(k));
     run_host.push_back(host);
     if (host) plan.host_allocs.push_back(alloc);
-    if (!host) op_source.push_back(index);
+    if (!host) {
+      op_source.push_back(index);
+      op_storage.push_back(t.storage().unsafeGetStorageImpl());  // for direct buckets, read while t is in cache
+    }
     off += len;
   }
 }
@@ -93,6 +97,7 @@ Plan make_load_plan(
   std::vector<int32_t> run_bucket;
   std::vector<bool> run_host;
   std::vector<int64_t> op_source;  // per device pack run (plan.ops), the source tensor it reads
+  std::vector<const c10::StorageImpl*> op_storage;  // and that tensor's storage
   run_bucket.reserve(sources.size());
   run_host.reserve(sources.size());
   const auto num_sources = static_cast<int64_t>(sources.size());
@@ -101,7 +106,7 @@ Plan make_load_plan(
     auto& t = sources[i];
     // A lazy conjugate or negative bit is not in the bytes: resolve it (a copy of that tensor alone).
     if (t.defined() && (t.is_conj() || t.is_neg())) t = t.resolve_conj().resolve_neg();
-    if (units[i].nbytes > 0) add_pack_runs(plan, units[i], t, i, run_bucket, run_host, op_source);
+    if (units[i].nbytes > 0) add_pack_runs(plan, units[i], t, i, run_bucket, run_host, op_source, op_storage);
   }
   for (const auto& u : units) plan.units_sent += u.nbytes > 0;
 
@@ -122,6 +127,10 @@ Plan make_load_plan(
   };
   std::vector<Piece> pieces;
   pieces.reserve(dests.size() + static_cast<size_t>(num_buckets));
+  // The source's direct buckets are not read from a storage that it also writes (below): those
+  // storages, taken in this pass, while each destination is in cache.
+  std::vector<const c10::StorageImpl*> written;
+  if (!sources.empty()) written.reserve(dests.size());
   const auto num_dests = static_cast<int64_t>(dests.size());
   for (int64_t i = 0; i < num_dests; ++i) {
     prefetch_ahead(dests.data(), i, num_dests);
@@ -140,6 +149,7 @@ Plan make_load_plan(
     TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, what(), " overlaps itself");
     TORCH_CHECK_VALUE(!t.is_conj() && !t.is_neg(), what(),
                       " has a lazy conjugate or negative bit; resolve it (resolve_conj/resolve_neg) before loading");
+    if (!sources.empty()) written.push_back(t.storage().unsafeGetStorageImpl());
     if (t.numel() == 0 || u.nbytes == 0) continue;
     Box box{};
     box.ndim = static_cast<int32_t>(u.ndim);
@@ -218,10 +228,7 @@ Plan make_load_plan(
     plan.direct_from_inputs = true;
     // Not from a storage that this rank also writes (a model's own tensors given as the checkpoint):
     // the scatter would read bytes that it, or a cast wider than the source, writes over.
-    std::vector<const c10::StorageImpl*> written;
-    for (const auto& t : dests) {
-      if (t.defined() && t.has_storage()) written.push_back(t.storage().unsafeGetStorageImpl());
-    }
+    std::sort(written.begin(), written.end());
     std::vector<SpanRun> runs;
     for (int64_t k = 0; k < num_buckets; ++k) {
       const auto& b = plan.buckets[k];
@@ -229,10 +236,8 @@ Plan make_load_plan(
       runs.clear();
       for (int64_t r = b.first_op; r < b.first_op + b.num_ops; ++r) {
         const auto& op = plan.ops[r];
-        const auto& t = sources[op_source[r]];
-        const auto* storage = t.storage().unsafeGetStorageImpl();
         runs.push_back(SpanRun{op.bucket_offset, op.tensor_ptr + static_cast<uint64_t>(op.tensor_offset), op.nbytes,
-                               storage, op_source[r], op.layout < 0});
+                               op_storage[r], op_source[r], op.layout < 0});
       }
       mark_direct(plan, k, runs, written);
     }

@@ -268,7 +268,7 @@ struct SpanRun {
 // Marks bucket k of the plan direct (Bucket::direct_tensor, direct_offset,
 // Plan::direct_buckets) if `runs` (sorted here by bucket_offset) hold its bytes
 // back to back, each where the bucket's byte 0 lies plus its offset, all plain
-// and in one storage that is not in `excluded`. Returns whether it did.
+// and in one storage that is not in `excluded` (sorted). Returns whether it did.
 bool mark_direct(Plan& plan, int64_t k, std::vector<SpanRun>& runs,
                  const std::vector<const c10::StorageImpl*>& excluded = {});
 // Direct buckets are on unless COALESCED_BCAST_DIRECT=0 (read when a plan is made: A/B runs).
