@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -109,7 +109,7 @@ def verify(model: nn.Module, seed: int, device: torch.device, what: str = "", sh
     for i, (k, v) in enumerate(model.state_dict().items()):
         local, start = local_range(v)
         want = pattern(start, start + local.numel(), seed + i, device)
-        got = local.reshape(-1).view(torch.int16)
+        got = local.reshape(-1).view(torch.int16).to(want.device)  # offloaded shards: from host memory
         if torch.equal(got, want):
             continue
         ok = False
@@ -164,11 +164,19 @@ def build(kind: str, args, device: torch.device, mesh) -> nn.Module:
                              args.moe_vocab).to(DTYPE)
         else:
             model = Small(sizes).to(DTYPE)
+    # --offload: FSDP2's CPU offload, the sharded parameters in pinned host memory (FSDP2 pins them again
+    # after to_empty), the buffers on the GPU
+    shard = dict(mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True)) if args.offload else dict(mesh=mesh)
     if kind in ("llama8b", "moe"):
         for b in model.layers:
-            fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device=device)
+            fully_shard(b, **shard)
+    fully_shard(model, **shard)
+    model.to_empty(device="cpu" if args.offload else device)
+    if args.offload:
+        for m in model.modules():
+            for name, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[name] = b.to(device)
     return model
 
 
@@ -186,7 +194,7 @@ class Bench:
             torch.cuda.synchronize()
 
     def emit(self, **row) -> None:
-        row.update(bench="fsdp2_load", rank=self.rank, world=self.ws, torch=torch.__version__,
+        row.update(bench="fsdp2_load", rank=self.rank, world=self.ws, torch=torch.__version__, offload=self.args.offload,
                    device=torch.cuda.get_device_name() if not self.cpu else "cpu")
         print(json.dumps(row), flush=True)
         self.rows.append(row)
@@ -236,8 +244,10 @@ class Bench:
         one = rate(lambda: dst.copy_(src, non_blocking=True))
         chunked = rate(lambda: [dst[i:i + chunk].copy_(src[i:i + chunk], non_blocking=True)
                                 for i in range(0, src.numel(), chunk)])
+        # and back (dst holds src's bytes by now): an offloaded model's shards are written over this way
+        back = rate(lambda: src.copy_(dst, non_blocking=True))
         self.emit(kind="h2d", source=("pinned" if src.is_pinned() else "pageable"), bytes=GiB,
-                  one_copy_GBps=one, chunked_16MiB_GBps=chunked)
+                  one_copy_GBps=one, chunked_16MiB_GBps=chunked, d2h_one_copy_GBps=back)
 
     def run_state(self, kind: str) -> None:
         args = self.args
@@ -264,8 +274,8 @@ class Bench:
             if args.interleave:
                 self.interleaved(model, sd, kind, source, seed, nbytes, len(specs),
                                  [(n, o) for n, o in methods if n != "dcp"])
-                methods = [(n, o) for n, o in methods if n == "dcp"]
-            for name, options in methods:
+            # with --interleave, the timed loop below runs DCP's rows only (for every source: not the list itself)
+            for name, options in [(n, o) for n, o in methods if n == "dcp" or not args.interleave]:
                 if "copy_threads" in options and source != "pageable":
                     continue  # threads only copy pageable memory
                 if name == "dcp":
@@ -277,7 +287,14 @@ class Bench:
                     reps = args.reps
                 for rep in range(reps + 1):  # rep 0 warms up
                     poison(model)
-                    row = self.measure(fn)
+                    try:
+                        row = self.measure(fn)
+                    except Exception as e:  # DCP on a model it does not serve (--offload): its error is the row
+                        if name != "dcp":
+                            raise
+                        self.emit(kind="load", state=kind, source=source, method=name, rep=rep,
+                                  error=f"{type(e).__name__}: {e}"[:400])
+                        break
                     slowest = torch.tensor([row["sec"]], dtype=torch.float64, device=self.device)
                     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                     last = rep == reps or slowest.item() > args.slow_s  # a slow baseline is timed once
@@ -474,6 +491,8 @@ def main() -> None:
     p.add_argument("--extra-env", default="", help="extra coalesced_bcast rows, each with NAME=VALUE set in the environment "
                    "during its loads (comma-separated)")
     p.add_argument("--no-dcp", action="store_true", help="leave out DCP's rows")
+    p.add_argument("--offload", action="store_true", help="FSDP2 with CPUOffloadPolicy(pin_memory=True): the "
+                   "model's shards in pinned host memory (rows carry offload=true)")
     p.add_argument("--interleave", action="store_true", help="our methods (with --extra-*) in turn, rep by rep, "
                    "each load's phases in its row")
     p.add_argument("--phases", action="store_true", help="one more load per state and source with the host time of "

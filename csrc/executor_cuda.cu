@@ -140,6 +140,7 @@ class CudaExecutor final : public Executor {
 
   void end(bool unwinding) override {
     const auto copy_done = order_caller();
+    if (plan_.writes_host && !unwinding) return wait_host_writes();  // the reads come before, on the lanes
     if (!read_host_ || wait_event(copy_done, deadline_)) return;  // the copies read host memory: done with it
     keep_host_ring();
     TORCH_CHECK(unwinding, kHostReadsLate, rank_);
@@ -147,6 +148,10 @@ class CudaExecutor final : public Executor {
 
   std::shared_ptr<HostReads> end_leaving_host_reads() override {
     auto copy_done = order_caller();
+    if (plan_.writes_host) {  // the host may read the model's tensors at once: no later wait to leave
+      wait_host_writes();
+      return nullptr;
+    }
     if (!read_host_) return nullptr;
     std::vector<at::Tensor> read;  // what the copies may still read: the source's host tensors, the staging ring
     for (const auto& t : plan_.inputs) {
@@ -224,8 +229,18 @@ class CudaExecutor final : public Executor {
     TORCH_CHECK(scatter_ != nullptr, "cast-copy tables not uploaded before bucket ", bucket);
     if (which == Runs::kScatter) {
       const auto& b = plan_.buckets.at(bucket);
-      launch_scatter_bucket(src_base, dst_base, scatter_ + b.first_scatter, b.num_scatter, b.scatter_chunks, boxes_,
-                            lane_stream(lane).stream());
+      const int64_t by_kernel = b.num_scatter - b.num_scatter_copies;
+      if (by_kernel > 0) {
+        launch_scatter_bucket(src_base, dst_base, scatter_ + b.first_scatter, by_kernel, b.scatter_chunks, boxes_,
+                              lane_stream(lane).stream());
+      }
+      // Byte runs into pinned host memory, by the copy engine (load_plan.cpp), on the same lane.
+      for (int64_t i = b.first_scatter + by_kernel; i < b.first_scatter + b.num_scatter; ++i) {
+        const auto& op = plan_.scatter[i];
+        C10_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(dst_base + op.dst_ptr + op.first * op.dst_size),
+                                       reinterpret_cast<const void*>(src_base + op.bucket_offset),
+                                       op.count * op.src_size, cudaMemcpyDeviceToHost, lane_stream(lane).stream()));
+      }
     } else {
       const auto& r = plan_.refit.at(bucket);
       launch_scatter_bucket(src_base, dst_base, permute_ + r.first_permute, r.num_permute, r.permute_chunks, boxes_,
@@ -405,6 +420,23 @@ class CudaExecutor final : public Executor {
       send_done.block(caller_);
     }
     return copy_done;
+  }
+
+  // Waits until every lane's work is done (the caller's stream is ordered after them): the scatter
+  // kernels that write the model's host tensors, and the copies that read the source's.
+  void wait_host_writes() {
+    at::cuda::CUDAEvent all_done;
+    all_done.record(caller_);
+    if (wait_event(all_done, deadline_)) return;
+    std::vector<at::Tensor> read;  // copies still queued may read these whenever their broadcasts end
+    for (const auto& t : plan_.inputs) {
+      if (read_host_ && t.defined() && !t.is_cuda()) read.push_back(t);
+    }
+    keep_for_process_life(std::move(read));
+    keep_host_ring();
+    TORCH_CHECK(false, "Timed out: the writes into the model's host tensors were not done by the call's deadline, "
+                "as they wait for broadcasts that did not finish (a rank stalled, died or called another "
+                "collective); the model's host tensors may still be written, on rank ", rank_);
   }
 
   // Past the deadline, copies still queued may read the staging ring whenever their broadcasts end: its

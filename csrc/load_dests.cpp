@@ -316,7 +316,16 @@ py::tuple load_dests(
         problem(i, key + " is on the meta device: materialize the model first (model.to_empty(device=...))");
         continue;
       }
-      if (local.numel() > 0 && local.device() != device) {
+      // On a GPU, a destination in pinned host memory (FSDP2's CPU offload) is written by the scatter
+      // kernel through its mapped address; pageable memory the kernel cannot reach.
+      const bool host_dest = local.numel() > 0 && local.is_cpu() && device.is_cuda();
+      if (host_dest && !local.is_pinned()) {
+        problem(i, key + " is in pageable host memory, and a load on " + device.str() + " writes host tensors "
+                       "from the GPU, which needs pinned memory: pin the model's host tensors (FSDP2: "
+                       "CPUOffloadPolicy(pin_memory=True)) or load over a gloo group");
+        continue;
+      }
+      if (local.numel() > 0 && local.device() != device && !host_dest) {
         std::ostringstream s;
         s << key << " is on " << local.device() << ", the model's first tensor on " << device
           << ": load_full_state_dict needs the model on one device";

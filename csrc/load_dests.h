@@ -23,8 +23,10 @@ constexpr const char* kKeyMark = "\x01key\x01";
 // Shard and Replicate types; mesh_facts(mesh) -> (is this rank in it, its
 // coordinate on a 1-D mesh, ndim, size of a 1-D mesh), called once per mesh;
 // nd_box(mesh, placements, shape) -> (problem or None, offset or None, local
-// shape), for meshes of other than one dim; device: the model's (first_device),
-// which every local tensor with elements must be on, none on meta.
+// shape), for meshes of other than one dim; device: the model's (first_device;
+// on a GPU group, the GPU where that is in host memory), which every local
+// tensor with elements must be on, none on meta; on a CUDA device, pinned host
+// memory too (written by the kernels through its mapped address).
 // A 0-dim model tensor takes a 1-dim checkpoint value of one element (torch
 // 0.3's scalars), as load_state_dict does; with scalar_from_any_1dim, its
 // first element of any length (as torch 2.4's load_state_dict does).

@@ -6,8 +6,10 @@
 #include <ATen/MemoryOverlap.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
 #include <sstream>
+#include <string>
 
 #include "cast.h"
 #include "chunks.h"
@@ -16,6 +18,16 @@
 
 namespace coalesced_bcast {
 namespace {
+
+// Byte runs into pinned host memory at least this large go by the copy engine (a few microseconds a copy).
+constexpr int64_t kHostCopyMin = 256 << 10;
+
+// COALESCED_BCAST_HOST_WRITES=kernel: every run into host memory by the scatter kernel (read when a plan
+// is made: the bench's A/B switch).
+bool host_writes_by_copy_engine() {
+  const char* v = std::getenv("COALESCED_BCAST_HOST_WRITES");
+  return v == nullptr || std::string(v) != "kernel";
+}
 
 // The runs that pack unit `u` of the source (its tensor `t`), cut at bucket boundaries.
 void add_pack_runs(Plan& plan, const Unit& u, const at::Tensor& t, int64_t index, std::vector<int32_t>& run_bucket,
@@ -124,7 +136,9 @@ Plan make_load_plan(
     int64_t bucket;
     ScatterOp op;
     int64_t dest;  // index into dests
+    bool copy;     // into host memory by the copy engine
   };
+  const bool host_copies = host_writes_by_copy_engine();
   std::vector<Piece> pieces;
   pieces.reserve(dests.size() + static_cast<size_t>(num_buckets));
   // The source's direct buckets are not read from a storage that it also writes (below): those
@@ -140,8 +154,10 @@ Plan make_load_plan(
                       m[0], " of ", units.size());
     const auto& u = units[m[0]];
     const auto what = [&] { return "destination " + std::to_string(i) + " on rank " + std::to_string(options.rank); };
-    TORCH_CHECK_VALUE(t.defined() && t.layout() == at::kStrided && t.has_storage() && t.device() == plan.device,
+    const bool host = plan.device.is_cuda() && t.defined() && t.is_cpu();  // pinned: load_dests checked it
+    TORCH_CHECK_VALUE(t.defined() && t.layout() == at::kStrided && t.has_storage() && (t.device() == plan.device || host),
                       what(), " is not a dense tensor on ", plan.device);
+    plan.writes_host = plan.writes_host || (host && t.numel() > 0 && u.nbytes > 0);
     TORCH_CHECK_VALUE(t.scalar_type() == u.dtype || (castable(t.scalar_type()) && castable(u.dtype)), what(),
                       " is ", t.scalar_type(), " but the checkpoint holds ", u.dtype,
                       ": only real dtypes and bool are cast");
@@ -190,7 +206,12 @@ Plan make_load_plan(
       op.dst_type = static_cast<int8_t>(t.scalar_type());
       op.src_size = static_cast<int8_t>(u.elem_size);
       op.dst_size = static_cast<int8_t>(t.element_size());
-      pieces.push_back(Piece{k, op, static_cast<int64_t>(i)});
+      // Large byte runs into host memory go by the copy engine: the kernel's stores cross the bus as
+      // the source's reads come up it, and the two did not overlap (one H200: a 9.66 GB MoE load
+      // into offloaded shards from pinned memory took the sum of the two directions' times).
+      const bool copy = host && host_copies && flat && op.src_type == op.dst_type &&
+                        op.count * op.src_size >= kHostCopyMin;
+      pieces.push_back(Piece{k, op, static_cast<int64_t>(i), copy});
       e = end;
     }
   }
@@ -213,14 +234,26 @@ Plan make_load_plan(
   fill(run_bucket, false, &Bucket::first_op, &Bucket::num_ops);
   fill(run_bucket, true, &Bucket::first_host, &Bucket::num_host);
   plan.scatter.reserve(pieces.size());
-  for (const auto& p : pieces) {
-    auto& b = plan.buckets[p.bucket];
-    if (b.num_scatter == 0) b.first_scatter = static_cast<int64_t>(plan.scatter.size());
-    ++b.num_scatter;
-    auto op = p.op;
-    op.first_chunk = b.scatter_chunks;
-    b.scatter_chunks += (op.count * op.src_size + kScatterChunk - 1) / kScatterChunk;
-    plan.scatter.push_back(op);
+  for (size_t p = 0; p < pieces.size();) {  // per bucket: the kernel's runs, then the copy engine's
+    size_t q = p;
+    while (q < pieces.size() && pieces[q].bucket == pieces[p].bucket) ++q;
+    auto& b = plan.buckets[pieces[p].bucket];
+    b.first_scatter = static_cast<int64_t>(plan.scatter.size());
+    for (const bool copies : {false, true}) {
+      for (size_t i = p; i < q; ++i) {
+        if (pieces[i].copy != copies) continue;
+        auto op = pieces[i].op;
+        op.first_chunk = b.scatter_chunks;
+        if (copies) {
+          ++b.num_scatter_copies;
+        } else {
+          b.scatter_chunks += (op.count * op.src_size + kScatterChunk - 1) / kScatterChunk;
+        }
+        ++b.num_scatter;
+        plan.scatter.push_back(op);
+      }
+    }
+    p = q;
   }
   // Direct buckets (direct.cpp). The source's: bytes that lie back to back in one device storage of
   // its checkpoint tensors are broadcast from there (its own shards are then written from there too).
@@ -252,9 +285,10 @@ Plan make_load_plan(
         const auto& op = pieces[p].op;
         const auto& t = dests[pieces[p].dest];
         const auto* storage = t.storage().unsafeGetStorageImpl();
+        // Not into host memory: NCCL receives into device memory only.
         runs.push_back(SpanRun{op.bucket_offset, op.dst_ptr + static_cast<uint64_t>(op.first * op.dst_size),
                                op.count * op.src_size, storage, pieces[p].dest,
-                               op.box < 0 && op.src_type == op.dst_type});
+                               op.box < 0 && op.src_type == op.dst_type && t.device() == plan.device});
       }
       mark_direct(plan, k, runs);
     }

@@ -62,6 +62,9 @@ struct Bucket {
   int64_t first_scatter = 0;
   int64_t num_scatter = 0;
   int64_t scatter_chunks = 0;
+  // The last this many of the scatter runs are byte copies into pinned host memory (Plan::writes_host)
+  // that the copy engine makes rather than the kernel: no chunks of the kernel's.
+  int64_t num_scatter_copies = 0;
   // This rank's bytes of the bucket already lie back to back in one storage
   // (direct.cpp): that of tensor `direct_tensor` (a receiver's dests, a refit
   // sender's inputs), from byte `direct_offset` of it. -1: through the ring slot.
@@ -138,6 +141,10 @@ struct Plan {
   std::vector<c10::DeleterFnPtr> host_allocs;
   std::vector<ScatterOp> scatter;
   std::vector<Box> boxes;
+  // Some dests lie in pinned host memory (FSDP2's CPU offload on a GPU): the scatter kernels write them
+  // through their mapped address, and the call returns only once those writes are done, as the host may
+  // read them at once.
+  bool writes_host = false;
 
   // Refits' senders (make_refit_plan), on every trainer rank: `inputs` are this
   // rank's local tensors (shards), `scatter` (per Bucket) the runs that pack

@@ -248,3 +248,8 @@ def hsdp_same_outcome_body(rank, world_size, device_type="cuda"):
 
 def test_hsdp_install_same_outcome_as_torch():
     run_ranks(2, hsdp_same_outcome_body, backend="nccl", timeout=300)
+
+
+def test_load_into_fsdp2_cpu_offload_on_gpus():
+    from test_gpu_single import offloaded_load_body
+    run_ranks(2, offloaded_load_body, backend="nccl", timeout=300)

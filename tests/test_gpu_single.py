@@ -324,3 +324,74 @@ def _uint8_cast_body(rank, world_size):
 
 def test_load_casts_floats_into_uint8_as_torch_does():
     run_ranks(1, _uint8_cast_body, backend="nccl", timeout=200)
+
+
+def offloaded_load_body(rank, world_size):
+    """FSDP2 with CPUOffloadPolicy: the sharded parameters in pinned host memory, the buffers on the GPU.
+    The load writes the host shards from the GPU (the scatter kernel, casting where asked) and returns once
+    they are written: read on the host at once, with no synchronize, they are the checkpoint's bytes.
+    Pageable offload (pin_memory=False) is refused on every rank before any write."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    mesh = init_device_mesh("cuda", (world_size,))
+
+    def offloaded(pin, dtype):
+        torch.manual_seed(0)
+        # the last weight's shards (>= 256 KiB in fp32) go into host memory by the copy engine, unless cast
+        model = nn.Sequential(nn.Linear(64, 301), nn.LayerNorm(301), nn.Linear(301, 600, bias=False)).to(dtype)
+        model.register_buffer("steps", torch.zeros(5, device=dev))
+        for m in model:
+            fully_shard(m, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=pin))
+        fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=pin))
+        return model
+
+    g = torch.Generator().manual_seed(11)
+    ref = offloaded(True, torch.float32)
+    full = {}
+    for k, v in ref.state_dict().items():
+        t = torch.empty(v.shape, dtype=torch.float32)
+        t.view(torch.int32).copy_(torch.randint(-2**31, 2**31 - 1, t.shape, generator=g, dtype=torch.int32))
+        full[k] = t
+    full["0.weight"].view(-1)[:3] = torch.tensor([float("nan"), -0.0, float("-inf")])
+    full["0.weight"].view(torch.int32).view(-1)[0] = 0x7FC00123  # a NaN with a payload
+    for source in ("pinned", "gpu"):
+        for dtype in (torch.float32, torch.bfloat16):  # bf16: the kernel casts on its way to host memory
+            model = offloaded(True, dtype)
+            locals_ = {k: v.to_local() for k, v in model.state_dict().items() if k != "steps"}
+            assert all(t.is_cpu and t.is_pinned() for t in locals_.values()) and model.steps.is_cuda
+            sd = None
+            if rank == 0:
+                sd = {k: v.pin_memory() if source == "pinned" else v.to(dev) for k, v in full.items()}
+            stats = coalesced_bcast.load_full_state_dict(model, sd)
+            for k, v in model.state_dict().items():
+                local = v.to_local() if k != "steps" else v
+                want = full[k].to(dev).to(dtype) if k != "steps" else full[k].to(dev)  # torch's own CUDA cast
+                if k != "steps":
+                    want = want.chunk(world_size)[rank].cpu()
+                    assert local.is_cpu and local.is_pinned(), f"'{k}' left host memory"
+                    assert local.data_ptr() == locals_[k].data_ptr(), f"'{k}' was not written in place"
+                assert torch.equal(local.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)), \
+                    f"{source}, {dtype}: '{k}' differs on rank {rank}"
+            assert stats.cast_keys == (len(full) - 1 if dtype != torch.float32 else 0), stats
+    # Pageable host shards: refused on every rank, naming the key, nothing written.
+    model = offloaded(False, torch.float32)
+    before = {k: v.to_local().clone() for k, v in model.state_dict().items() if k != "steps"}
+    sd = {k: v.pin_memory() for k, v in full.items()} if rank == 0 else None
+    with pytest.raises(Exception, match=r"pin.*CPUOffloadPolicy\(pin_memory=True\)") as e:
+        coalesced_bcast.load_full_state_dict(model, sd)
+    assert "0.weight" in str(e.value), str(e.value)
+    for k, v in model.state_dict().items():
+        if k != "steps":
+            assert torch.equal(v.to_local(), before[k]), f"'{k}' was written by a refused load"
+
+
+@pytest.mark.parametrize("host_writes", [None, "kernel"])
+def test_load_into_fsdp2_cpu_offload(host_writes, monkeypatch):
+    """host_writes=kernel: every run into host memory by the scatter kernel (COALESCED_BCAST_HOST_WRITES,
+    the bench's A/B switch), none by the copy engine."""
+    if host_writes:
+        monkeypatch.setenv("COALESCED_BCAST_HOST_WRITES", host_writes)
+    run_ranks(1, offloaded_load_body, backend="nccl", timeout=200)

@@ -234,7 +234,16 @@ def _model_device(model_sd: Mapping[str, Any], extra: Mapping[str, nn.Module],
     device = device if device is not None else _control_device(pg)
     backend = str(dist.get_backend(pg))
     if device.type == "cpu" and "gloo" not in backend:
-        raise ValueError(f"the model is on the CPU but the group's backend is {backend}: use a gloo group")
+        ctrl = _control_device(pg)
+        first = values[index] if index >= 0 else None
+        first = first._local_tensor if isinstance(first, DTensor) else first
+        if ctrl.type == "cuda" and first is not None and first.is_pinned():
+            # Host tensors in pinned memory (FSDP2's CPUOffloadPolicy): the bytes cross on the group's GPU and
+            # the scatter kernels write them there; load_dests refuses any that is not pinned.
+            return ctrl
+        where = f" ('{keys[index]}' is not pinned)" if first is not None else ""
+        raise ValueError(f"the model is in host memory{where} but the group's backend is {backend}: pin the "
+                         f"model's host tensors (FSDP2: CPUOffloadPolicy(pin_memory=True)) or use a gloo group")
     return device
 
 
