@@ -246,8 +246,20 @@ class Bench:
                                 for i in range(0, src.numel(), chunk)])
         # and back (dst holds src's bytes by now): an offloaded model's shards are written over this way
         back = rate(lambda: src.copy_(dst, non_blocking=True))
+        both = None
+        if self.args.offload and src.is_pinned():  # both ways at once (what an offloaded load asks of the bus)
+            host2, dst2 = torch.empty_like(src, pin_memory=True), torch.empty_like(dst)
+            up, down = torch.cuda.Stream(), torch.cuda.Stream()
+
+            def both_ways():
+                with torch.cuda.stream(up):
+                    dst.copy_(src, non_blocking=True)
+                with torch.cuda.stream(down):
+                    host2.copy_(dst2, non_blocking=True)
+            both = rate(both_ways)  # GB/s each way
         self.emit(kind="h2d", source=("pinned" if src.is_pinned() else "pageable"), bytes=GiB,
-                  one_copy_GBps=one, chunked_16MiB_GBps=chunked, d2h_one_copy_GBps=back)
+                  one_copy_GBps=one, chunked_16MiB_GBps=chunked, d2h_one_copy_GBps=back,
+                  both_ways_each_GBps=both)
 
     def run_state(self, kind: str) -> None:
         args = self.args
