@@ -316,8 +316,9 @@ py::tuple load_dests(
         problem(i, key + " is on the meta device: materialize the model first (model.to_empty(device=...))");
         continue;
       }
-      // On a GPU, a destination in pinned host memory (FSDP2's CPU offload) is written by the scatter
-      // kernel through its mapped address; pageable memory the kernel cannot reach.
+      // On a GPU, a destination in pinned host memory (FSDP2's CPU offload) is written from the GPU (the
+      // copy engine, or the scatter kernel through its mapped address); pageable memory neither can reach
+      // without blocking the host per copy.
       const bool host_dest = local.numel() > 0 && local.is_cpu() && device.is_cuda();
       if (host_dest && !local.is_pinned()) {
         problem(i, key + " is in pageable host memory, and a load on " + device.str() + " writes host tensors "

@@ -26,7 +26,7 @@ constexpr const char* kKeyMark = "\x01key\x01";
 // shape), for meshes of other than one dim; device: the model's (first_device;
 // on a GPU group, the GPU where that is in host memory), which every local
 // tensor with elements must be on, none on meta; on a CUDA device, pinned host
-// memory too (written by the kernels through its mapped address).
+// memory too (written from the GPU: load_plan.cpp).
 // A 0-dim model tensor takes a 1-dim checkpoint value of one element (torch
 // 0.3's scalars), as load_state_dict does; with scalar_from_any_1dim, its
 // first element of any length (as torch 2.4's load_state_dict does).

@@ -141,9 +141,9 @@ struct Plan {
   std::vector<c10::DeleterFnPtr> host_allocs;
   std::vector<ScatterOp> scatter;
   std::vector<Box> boxes;
-  // Some dests lie in pinned host memory (FSDP2's CPU offload on a GPU): the scatter kernels write them
-  // through their mapped address, and the call returns only once those writes are done, as the host may
-  // read them at once.
+  // Some dests lie in pinned host memory (FSDP2's CPU offload on a GPU): the copy engine (large byte
+  // runs) and the scatter kernel (the rest, through the mapped address) write them, and the call returns
+  // only once those writes are done, as the host may read them at once.
   bool writes_host = false;
 
   // Refits' senders (make_refit_plan), on every trainer rank: `inputs` are this
