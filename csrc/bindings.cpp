@@ -400,6 +400,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("module_slots", &module_slots, py::arg("module"), py::arg("include_buffers"), py::arg("dedupe"),
         "(owners, keys, tensors) of a module's parameters (and buffers) in named_parameters() order, or None "
         "where a module's dicts are not dicts (csrc/module_walk.h)");
+  py::class_<IdSet>(m, "IdSet", "ids of objects (csrc/id_set.h): a load's parameters and buffers")
+      .def(py::init([](const py::iterable& ids) {
+             IdSet s;
+             for (const auto& id : ids) s.add(id.cast<uintptr_t>());
+             return s;
+           }),
+           py::arg("ids"))
+      .def("__contains__", [](const IdSet& s, const py::object& id) {
+        return py::isinstance<py::int_>(id) && s.contains(id.cast<uintptr_t>());
+      })
+      .def("__len__", &IdSet::size)
+      .def("__eq__", [](const IdSet& a, const IdSet& b) {
+        bool same = a.size() == b.size();
+        a.for_each([&](uintptr_t id) { same = same && b.contains(id); });
+        return same;
+      })
+      .def("to_set", [](const IdSet& s) {
+        py::set out;
+        s.for_each([&](uintptr_t id) { out.add(py::int_(id)); });
+        return out;
+      });
   m.def("load_walk", &load_walk, py::arg("module"), py::arg("base"), py::arg("extra_key"),
         "(extra-state keys -> modules, ids of parameters and buffers) as state_dict() walks, or None "
         "(csrc/module_walk.h)");

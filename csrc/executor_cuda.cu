@@ -153,10 +153,7 @@ class CudaExecutor final : public Executor {
       return nullptr;
     }
     if (!read_host_) return nullptr;
-    std::vector<at::Tensor> read;  // what the copies may still read: the source's host tensors, the staging ring
-    for (const auto& t : plan_.inputs) {
-      if (t.defined() && !t.is_cuda()) read.push_back(t);
-    }
+    auto read = host_inputs();  // what the copies may still read: these and the staging ring
     if (host_ring_.defined()) read.push_back(std::move(host_ring_));
     return std::make_shared<CudaHostReads>(std::move(copy_done), std::move(read), deadline_, rank_);
   }
@@ -428,15 +425,20 @@ class CudaExecutor final : public Executor {
     at::cuda::CUDAEvent all_done;
     all_done.record(caller_);
     if (wait_event(all_done, deadline_)) return;
-    std::vector<at::Tensor> read;  // copies still queued may read these whenever their broadcasts end
-    for (const auto& t : plan_.inputs) {
-      if (read_host_ && t.defined() && !t.is_cuda()) read.push_back(t);
-    }
-    keep_for_process_life(std::move(read));
+    if (read_host_) keep_for_process_life(host_inputs());  // copies still queued read them when their broadcasts end
     keep_host_ring();
     TORCH_CHECK(false, "Timed out: the writes into the model's host tensors were not done by the call's deadline, "
                 "as they wait for broadcasts that did not finish (a rank stalled, died or called another "
                 "collective); the model's host tensors may still be written, on rank ", rank_);
+  }
+
+  // The source's tensors in host memory, which the copies read.
+  std::vector<at::Tensor> host_inputs() const {
+    std::vector<at::Tensor> out;
+    for (const auto& t : plan_.inputs) {
+      if (t.defined() && !t.is_cuda()) out.push_back(t);
+    }
+    return out;
   }
 
   // Past the deadline, copies still queued may read the staging ring whenever their broadcasts end: its

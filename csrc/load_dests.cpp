@@ -3,6 +3,7 @@
 // of a load's own host time) as attribute reads and integer math here.
 #include "load_dests.h"
 
+#include <structmember.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
@@ -96,47 +97,98 @@ struct ValueFacts {
 // Values are read kGroup at a time, each group's chain one hop per pass (below).
 constexpr int64_t kGroup = 16;
 
+// Where a type keeps an object-valued __slots__ attribute (a DTensor's
+// _local_tensor and _spec): the slot's byte offset, or -1 where the attribute
+// must be read by name (not a plain slot of this type, or a type that reads
+// attributes its own way). Found once per type; the type is held, so that no
+// other type takes its address while it is remembered.
+class ObjectSlot {
+ public:
+  explicit ObjectSlot(const char* name) : name_(PyUnicode_InternFromString(name)) {}
+
+  // The slot's value, borrowed and untouched (its refcount not read or
+  // written: reading it costs only the owner's line), or null: then attr().
+  PyObject* peek(PyObject* obj) {
+    PyTypeObject* t = Py_TYPE(obj);
+    if (reinterpret_cast<PyObject*>(t) != type_.ptr()) {
+      type_ = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(t));
+      offset_ = -1;
+      PyObject* d = t->tp_getattro == PyObject_GenericGetAttr ? _PyType_Lookup(t, name_) : nullptr;  // borrowed
+      if (d != nullptr && Py_TYPE(d) == &PyMemberDescr_Type) {
+        const PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+        if (m->type == T_OBJECT_EX) offset_ = m->offset;
+      }
+    }
+    return offset_ < 0 ? nullptr : *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset_);
+  }
+ private:
+  PyObject* name_;
+  py::object type_;
+  Py_ssize_t offset_ = -1;
+};
+
 // The facts of values [begin, end), a group of at most kGroup: one hop of the
-// chain per pass over the group (value -> spec -> placements ->
-// placements[0]), each pass prefetching what the next reads, so that the
+// chain per pass over the group (value -> local tensor and spec -> placements
+// -> placements[0]), each pass prefetching what the next reads, so that the
 // group's cache misses overlap (at 16k values, cold, one value's chain at a
-// time waits on memory at every hop). Passes over all values at once do not
-// help: by a pass's end the first values' objects are out of the cache again
-// (post_hooks.cpp measured both).
-void gather(const py::list& values, int64_t begin, int64_t end, const py::set& owned_ids,
+// time waits on memory at every hop). A hop's objects are held (their
+// refcounts written) only in the pass after the one that prefetched them: a
+// reference taken as the pointer is read waits on that object's line there and
+// then. Passes over all values at once do not help: by a pass's end the first
+// values' objects are out of the cache again (post_hooks.cpp measured both).
+void gather(const py::list& values, int64_t begin, int64_t end, const IdSet& owned_ids,
             const py::handle& dtensor_type, std::vector<ValueFacts>& facts) {
-  for (int64_t i = begin; i < end; ++i) prefetch_object(PyList_GET_ITEM(values.ptr(), i));
+  // Never destroyed: a static's destructor would run after the interpreter is gone.
+  static auto& local_slot = *new ObjectSlot("_local_tensor");
+  static auto& spec_slot = *new ObjectSlot("_spec");
+  PyObject* local[kGroup];
+  PyObject* spec[kGroup];
+  for (int64_t i = begin; i < end; ++i) {
+    PyObject* v = PyList_GET_ITEM(values.ptr(), i);
+    prefetch_object(v);
+    owned_ids.prefetch(reinterpret_cast<uintptr_t>(v));
+  }
   for (int64_t i = begin; i < end; ++i) {
     PyObject* v = PyList_GET_ITEM(values.ptr(), i);
     auto& f = facts[i];
+    local[i - begin] = spec[i - begin] = nullptr;
     f.tensor = THPVariable_Check(v);
     if (!f.tensor) continue;
-    py::object id = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(v));
-    f.owned = PySet_Contains(owned_ids.ptr(), id.ptr()) == 1;
+    f.owned = owned_ids.contains(reinterpret_cast<uintptr_t>(v));
     const int is_dtensor = PyObject_IsInstance(v, dtensor_type.ptr());
     if (is_dtensor < 0) throw py::error_already_set();
     f.dtensor = is_dtensor == 1;
     if (!f.dtensor) continue;
-    f.local = attr(v, "_local_tensor");
-    prefetch_object(f.local.ptr());
-    f.spec = attr(v, "_spec");
-    prefetch_object(f.spec.ptr());
+    PyObject* l = local_slot.peek(v);
+    PyObject* s = spec_slot.peek(v);
+    if (l != nullptr && s != nullptr) {
+      prefetch_object(local[i - begin] = l);
+      prefetch_object(spec[i - begin] = s);
+    } else {  // read by name, as Python would
+      f.local = attr(v, "_local_tensor");
+      f.spec = attr(v, "_spec");
+    }
   }
   for (int64_t i = begin; i < end; ++i) {
     auto& f = facts[i];
+    if (local[i - begin] != nullptr) {
+      f.local = py::reinterpret_borrow<py::object>(local[i - begin]);
+      f.spec = py::reinterpret_borrow<py::object>(spec[i - begin]);
+    }
     if (!f.spec) continue;
     f.mesh = attr(f.spec, "mesh");
     f.placements = attr(f.spec, "placements");
     __builtin_prefetch(f.placements.ptr());
     __builtin_prefetch(reinterpret_cast<const char*>(f.placements.ptr()) + 64);
   }
+  PyObject* first[kGroup];
   for (int64_t i = begin; i < end; ++i) {
-    auto& f = facts[i];
-    PyObject* p = f.placements.ptr();
-    if (p != nullptr && PyTuple_Check(p) && PyTuple_GET_SIZE(p) > 0) {
-      f.first = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(p, 0));
-      prefetch_object(f.first.ptr());
-    }
+    PyObject* p = facts[i].placements.ptr();
+    first[i - begin] = p != nullptr && PyTuple_Check(p) && PyTuple_GET_SIZE(p) > 0 ? PyTuple_GET_ITEM(p, 0) : nullptr;
+    if (first[i - begin] != nullptr) prefetch_object(first[i - begin]);
+  }
+  for (int64_t i = begin; i < end; ++i) {
+    if (first[i - begin] != nullptr) facts[i].first = py::reinterpret_borrow<py::object>(first[i - begin]);
   }
 }
 
@@ -161,7 +213,7 @@ py::tuple load_dests(
     const at::Tensor& rows,
     const at::Tensor& table,
     const at::Tensor& canon_rows,
-    const py::set& owned_ids,
+    const IdSet& owned_ids,
     const py::handle& dtensor_type,
     const py::handle& shard_type,
     const py::handle& replicate_type,

@@ -8,6 +8,8 @@
 
 #include <optional>
 
+#include "id_set.h"
+
 namespace coalesced_bcast {
 
 namespace py = pybind11;
@@ -40,7 +42,7 @@ py::tuple load_dests(
     const at::Tensor& rows,
     const at::Tensor& table,
     const at::Tensor& canon_rows,
-    const py::set& owned_ids,
+    const IdSet& owned_ids,
     const py::handle& dtensor_type,
     const py::handle& shard_type,
     const py::handle& replicate_type,

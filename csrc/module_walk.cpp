@@ -62,7 +62,7 @@ struct LoadWalk {
   std::unordered_map<PyTypeObject*, bool> overrides;  // per type: get_extra_state is not base
   std::vector<PyObject*> path;  // names from the root, borrowed from the _modules dicts
   py::dict extra;
-  py::set owned;
+  IdSet owned;
 
   bool overridden(PyObject* m) {
     auto [it, fresh] = overrides.try_emplace(Py_TYPE(m), false);
@@ -77,8 +77,7 @@ struct LoadWalk {
 
   bool add_ids(PyObject* d) {
     return for_items(d, [&](PyObject*, PyObject* value) {
-      py::object id = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(value));
-      if (!id || PySet_Add(owned.ptr(), id.ptr()) != 0) throw py::error_already_set();
+      if (value != Py_None) owned.add(reinterpret_cast<uintptr_t>(value));  // a registered None
       return true;
     });
   }
@@ -113,7 +112,7 @@ struct LoadWalk {
 py::object load_walk(const py::handle& module, const py::handle& base, const std::string& extra_key) {
   LoadWalk w{base.ptr(), extra_key};
   if (!w.walk(module.ptr())) return py::none();
-  return py::make_tuple(w.extra, w.owned);
+  return py::make_tuple(w.extra, py::cast(std::move(w.owned)));
 }
 
 py::object module_slots(const py::handle& module, bool include_buffers, bool dedupe) {

@@ -7,6 +7,8 @@
 
 #include <torch/extension.h>
 
+#include "id_set.h"
+
 namespace coalesced_bcast {
 
 namespace py = pybind11;
@@ -24,7 +26,7 @@ py::object module_slots(const py::handle& module, bool include_buffers, bool ded
 // For a load, walked as state_dict() walks (every path, a module reached twice
 // read twice): (extra, owned) with extra the state-dict key of each module
 // whose type's get_extra_state is not `base` ("<path>._extra_state" -> module)
-// and owned the ids of the tree's parameters and buffers (state_dict.py
+// and owned the ids of the tree's parameters and buffers, an IdSet (state_dict.py
 // _walk_modules, which walks in Python where this returns None).
 py::object load_walk(const py::handle& module, const py::handle& base, const std::string& extra_key);
 

@@ -127,11 +127,26 @@ def test_load_walk_is_state_dicts_walk():
     assert extra["0.blocks.2.extra._extra_state"] is shared
     every = [t for _, t in root.named_parameters(remove_duplicate=False)]
     every += [b for _, b in root.named_buffers(remove_duplicate=False)]
-    assert {id(t) for t in every} <= owned
+    assert owned.to_set() == {id(t) for t in every} and len(owned) == len({id(t) for t in every})
     assert all(id(v) in owned for v in root.state_dict(keep_vars=True).values() if isinstance(v, torch.Tensor))
-    assert _walk_modules(root) == (extra, owned)
+    other = torch.zeros(1)
+    assert id(other) not in owned and "x" not in owned
+    again = _walk_modules(root)
+    assert again[0] == extra and again[1].to_set() == owned.to_set()
     from coalesced_bcast.state_dict import _walk_modules_py
-    assert _walk_modules_py(root) == (extra, owned)  # the fallback, walked in Python, agrees
+    py_extra, py_owned = _walk_modules_py(root)  # the fallback, walked in Python, agrees
+    assert py_extra == extra and py_owned.to_set() == owned.to_set()
+
+
+def test_id_set_holds_exactly_its_ids():
+    objs = [torch.empty(0) for _ in range(5000)]  # past many a growth of the table
+    s = _C.IdSet(id(o) for o in objs[::2])
+    assert len(s) == 2500
+    assert all(id(o) in s for o in objs[::2])
+    assert not any(id(o) in s for o in objs[1::2])
+    assert s.to_set() == {id(o) for o in objs[::2]}
+    assert len(_C.IdSet([id(objs[0]), id(objs[0])])) == 1
+    assert 0 not in _C.IdSet([0]) and len(_C.IdSet(())) == 0
 
 
 def test_load_walk_leaves_other_mappings_to_python():

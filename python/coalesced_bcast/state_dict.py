@@ -130,7 +130,7 @@ def load_full_state_dict(
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     with torch.no_grad():
-        model_sd, extra_mods, owned, error = None, {}, set(), None
+        model_sd, extra_mods, owned, error = None, {}, _C.IdSet(()), None
         try:
             model_sd = model.state_dict(keep_vars=True)  # FSDP2's pre-hook reshards first
             extra_mods, owned = _walk_modules(model)
@@ -195,23 +195,23 @@ def _control_device(pg: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def _walk_modules(model: nn.Module) -> tuple[dict[str, nn.Module], set[int]]:
+def _walk_modules(model: nn.Module) -> tuple[dict[str, nn.Module], Any]:
     """One walk the way state_dict() walks: the state-dict keys that hold a module's extra state, and the ids
-    of the model's own parameters and buffers (state_dict(keep_vars=True) returns those objects themselves,
-    unless a hook copied one)."""
+    of the model's own parameters and buffers, a _C.IdSet (state_dict(keep_vars=True) returns those objects
+    themselves, unless a hook copied one)."""
     found = _C.load_walk(model, nn.Module.get_extra_state, _EXTRA)  # None: a module's state is not in dicts
     return found if found is not None else _walk_modules_py(model)
 
 
-def _walk_modules_py(model: nn.Module) -> tuple[dict[str, nn.Module], set[int]]:
+def _walk_modules_py(model: nn.Module) -> tuple[dict[str, nn.Module], Any]:
     """_walk_modules in Python, for modules whose dicts the C++ walk does not read."""
     base = nn.Module.get_extra_state
     extra: dict[str, nn.Module] = {}
     owned: set[int] = set()
 
     def walk(m: nn.Module, prefix: str) -> None:
-        owned.update(map(id, m._parameters.values()))
-        owned.update(map(id, m._buffers.values()))
+        owned.update(id(t) for t in m._parameters.values() if t is not None)
+        owned.update(id(t) for t in m._buffers.values() if t is not None)
         if type(m).get_extra_state is not base:
             extra[prefix + _EXTRA] = m
         for name, child in m._modules.items():
@@ -219,7 +219,7 @@ def _walk_modules_py(model: nn.Module) -> tuple[dict[str, nn.Module], set[int]]:
                 walk(child, prefix + name + ".")
 
     walk(model, "")
-    return extra, owned
+    return extra, _C.IdSet(owned)
 
 
 def _model_device(model_sd: Mapping[str, Any], extra: Mapping[str, nn.Module],
@@ -420,7 +420,7 @@ class _Plan:
 
 
 def _plan_local(model: nn.Module, model_sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Module],
-                owned: set[int], meta: dict, src_tensors: Any, strict: bool, device: torch.device, rank: int,
+                owned: Any, meta: dict, src_tensors: Any, strict: bool, device: torch.device, rank: int,
                 error: Optional[str], bucket_bytes: int, ring_depth: int, copy_threads: Optional[int]) -> _Plan:
     plan = _Plan()
     try:
@@ -437,7 +437,7 @@ def _plan_local(model: nn.Module, model_sd: Optional[Mapping[str, Any]], extra: 
 
 
 def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra: Mapping[str, nn.Module],
-               owned: set[int], meta: dict,
+               owned: Any, meta: dict,
                src_tensors: Any, strict: bool, device: torch.device, rank: int,
                bucket_bytes: int, ring_depth: int, copy_threads: Optional[int]) -> None:
     if (bucket_bytes, ring_depth) != (meta["bucket_bytes"], meta["ring_depth"]):
