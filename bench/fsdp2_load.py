@@ -164,9 +164,11 @@ def build(kind: str, args, device: torch.device, mesh) -> nn.Module:
                              args.moe_vocab).to(DTYPE)
         else:
             model = Small(sizes).to(DTYPE)
-    # --offload: FSDP2's CPU offload, the sharded parameters in pinned host memory (FSDP2 pins them again
-    # after to_empty), the buffers on the GPU
-    shard = dict(mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True)) if args.offload else dict(mesh=mesh)
+    # --offload: FSDP2's CPU offload, the sharded parameters in host memory (pinned: FSDP2 pins them again
+    # after to_empty; pageable: pin_memory=False), the buffers on the GPU
+    shard = dict(mesh=mesh)
+    if args.offload:
+        shard["offload_policy"] = CPUOffloadPolicy(pin_memory=args.offload == "pinned")
     if kind in ("llama8b", "moe"):
         for b in model.layers:
             fully_shard(b, **shard)
@@ -503,8 +505,9 @@ def main() -> None:
     p.add_argument("--extra-env", default="", help="extra coalesced_bcast rows, each with NAME=VALUE set in the environment "
                    "during its loads (comma-separated)")
     p.add_argument("--no-dcp", action="store_true", help="leave out DCP's rows")
-    p.add_argument("--offload", action="store_true", help="FSDP2 with CPUOffloadPolicy(pin_memory=True): the "
-                   "model's shards in pinned host memory (rows carry offload=true)")
+    p.add_argument("--offload", nargs="?", const="pinned", default=None, choices=("pinned", "pageable"),
+                   help="FSDP2 with CPUOffloadPolicy: the model's shards in pinned (the default, as "
+                   "pin_memory=True) or pageable host memory (rows carry offload=pinned|pageable)")
     p.add_argument("--interleave", action="store_true", help="our methods (with --extra-*) in turn, rep by rep, "
                    "each load's phases in its row")
     p.add_argument("--phases", action="store_true", help="one more load per state and source with the host time of "

@@ -384,6 +384,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return bucket;
       },
       py::arg("tensors"), py::arg("threads"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "_host_scatter",
+      [](const Plan& plan, const at::Tensor& stream, int64_t threads) {
+        // Test hook: a load plan's scatter runs written out by the host stage's threads, bucket k read
+        // from byte k * bucket_bytes of `stream` (the checkpoint's byte stream), as a rank with pageable
+        // host shards writes them out of each bucket's pinned copy.
+        TORCH_CHECK_VALUE(plan.is_load && stream.is_cpu() && stream.scalar_type() == at::kByte &&
+                              stream.is_contiguous(), "_host_scatter takes a load plan and a contiguous uint8 CPU stream");
+        const int64_t B = plan.options.bucket_bytes;
+        TORCH_CHECK_VALUE(stream.numel() >= static_cast<int64_t>(plan.buckets.size()) * B, "a stream of ",
+                          stream.numel(), " bytes for ", plan.buckets.size(), " buckets of ", B);
+        HostStager stager(threads);
+        for (size_t k = 0; k < plan.buckets.size(); ++k) {
+          const auto& b = plan.buckets[k];
+          stager.scatter(plan.scatter.data() + b.first_scatter, b.num_scatter, plan.boxes,
+                         stream.data_ptr<uint8_t>() + static_cast<int64_t>(k) * B);
+        }
+      },
+      py::arg("plan"), py::arg("stream"), py::arg("threads"), py::call_guard<py::gil_scoped_release>());
   m.def("wait_stream", &wait_stream, py::arg("device"), py::arg("seconds"), py::call_guard<py::gil_scoped_release>(),
         "Wait on the host for the work queued on the device's current stream; False once `seconds` passed");
   m.def(

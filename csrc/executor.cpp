@@ -1,5 +1,7 @@
 #include "executor.h"
 
+#include "host_stage.h"
+
 namespace coalesced_bcast {
 namespace {
 
@@ -8,12 +10,15 @@ ExecutorFactory& cuda_factory() {
   return factory;
 }
 
-// Everything inline on the calling thread: gloo's wait() has already
+// Everything on the calling thread, but a load's copies, which the host stage's
+// threads share (copy_threads, as on a GPU's source): gloo's wait() has already
 // delivered a bucket by the time unpack runs.
 class CpuExecutor final : public Executor {
  public:
   explicit CpuExecutor(const Plan& plan) : plan_(plan) {}
   void pack(int64_t bucket, at::Tensor slot) override {
+    const auto& b = plan_.buckets[bucket];
+    if (plan_.is_load) return stager().stage(plan_.ops.data() + b.first_op, b.num_ops, plan_.layouts, slot.data_ptr<uint8_t>());
     copy_bucket_cpu(plan_, bucket, slot.data_ptr<uint8_t>(), /*pack=*/true);
   }
   void unpack(int64_t bucket, at::Tensor slot) override {
@@ -22,6 +27,10 @@ class CpuExecutor final : public Executor {
   void copy_runs(Runs which, int64_t bucket, uintptr_t src_base, uintptr_t dst_base, Lane) override {
     if (which == Runs::kScatter) {
       const auto& b = plan_.buckets[bucket];
+      if (plan_.is_load && dst_base == 0) {
+        return stager().scatter(plan_.scatter.data() + b.first_scatter, b.num_scatter, plan_.boxes,
+                                reinterpret_cast<const uint8_t*>(src_base));
+      }
       copy_cast_runs_cpu(plan_.scatter.data() + b.first_scatter, b.num_scatter, plan_.boxes, src_base, dst_base);
     } else {
       const auto& r = plan_.refit[bucket];
@@ -30,7 +39,13 @@ class CpuExecutor final : public Executor {
   }
 
  private:
+  HostStager& stager() {
+    if (!stager_) stager_ = std::make_unique<HostStager>(plan_.options.copy_threads);
+    return *stager_;
+  }
+
   const Plan& plan_;
+  std::unique_ptr<HostStager> stager_;
 };
 
 }  // namespace

@@ -13,12 +13,19 @@
 // for on the host: the caller may free or change its CPU tensors at once.
 // A load leaves that wait to a HostReads handle (end_leaving_host_reads) and
 // runs its post-hooks before it waits, beside the copies.
+//
+// A load into shards in host memory (FSDP2's CPU offload) writes pinned ones
+// from the GPU (the copy engine, the scatter kernel through the mapped
+// address); for pageable ones each bucket's bytes come down into a pinned host
+// ring and the stager's threads write them out, a bucket behind the device, so
+// that the copy down of one bucket overlaps the writing out of the one before.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <chrono>
 #include <cstdlib>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -141,6 +148,7 @@ class CudaExecutor final : public Executor {
   void end(bool unwinding) override {
     const auto copy_done = order_caller();
     if (plan_.writes_host && !unwinding) return wait_host_writes();  // the reads come before, on the lanes
+    if (unwinding) keep_unstage_ring_if_written();
     if (!read_host_ || wait_event(copy_done, deadline_)) return;  // the copies read host memory: done with it
     keep_host_ring();
     TORCH_CHECK(unwinding, kHostReadsLate, rank_);
@@ -212,7 +220,7 @@ class CudaExecutor final : public Executor {
   }
 
   int64_t host_bytes() const override {
-    return host_ring_.defined() ? host_ring_.numel() : 0;
+    return (host_ring_.defined() ? host_ring_.numel() : 0) + (unstage_ring_.defined() ? unstage_ring_.numel() : 0);
   }
 
   void pack(int64_t bucket, at::Tensor slot) override {
@@ -226,18 +234,20 @@ class CudaExecutor final : public Executor {
     TORCH_CHECK(scatter_ != nullptr, "cast-copy tables not uploaded before bucket ", bucket);
     if (which == Runs::kScatter) {
       const auto& b = plan_.buckets.at(bucket);
-      const int64_t by_kernel = b.num_scatter - b.num_scatter_copies;
+      const int64_t by_kernel = b.num_scatter - b.num_scatter_copies - b.num_scatter_host;
       if (by_kernel > 0) {
         launch_scatter_bucket(src_base, dst_base, scatter_ + b.first_scatter, by_kernel, b.scatter_chunks, boxes_,
                               lane_stream(lane).stream());
       }
       // Byte runs into pinned host memory, by the copy engine (load_plan.cpp), on the same lane.
-      for (int64_t i = b.first_scatter + by_kernel; i < b.first_scatter + b.num_scatter; ++i) {
+      const int64_t copies_end = b.first_scatter + by_kernel + b.num_scatter_copies;
+      for (int64_t i = b.first_scatter + by_kernel; i < copies_end; ++i) {
         const auto& op = plan_.scatter[i];
         C10_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(dst_base + op.dst_ptr + op.first * op.dst_size),
                                        reinterpret_cast<const void*>(src_base + op.bucket_offset),
                                        op.count * op.src_size, cudaMemcpyDeviceToHost, lane_stream(lane).stream()));
       }
+      if (b.num_scatter_host > 0) unstage(bucket, src_base, lane);
     } else {
       const auto& r = plan_.refit.at(bucket);
       launch_scatter_bucket(src_base, dst_base, permute_ + r.first_permute, r.num_permute, r.permute_chunks, boxes_,
@@ -376,7 +386,6 @@ class CudaExecutor final : public Executor {
                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
       host_free_.resize(plan_.ring_slots);
       host_used_.assign(plan_.ring_slots, false);
-      stager_ = std::make_unique<HostStager>(plan_.options.copy_threads);
     }
     uint8_t* host = host_ring_.data_ptr<uint8_t>() + s * plan_.slot_bytes;
     // The copy that last read this pinned slot must be done; it may wait on a broadcast, hence the deadline.
@@ -385,7 +394,7 @@ class CudaExecutor final : public Executor {
                   "deadline, as the copies before it wait for broadcasts that did not finish (a rank stalled, died "
                   "or called another collective)");
     }
-    stager_->stage(staged_.data(), static_cast<int64_t>(staged_.size()), plan_.layouts, host);
+    stager().stage(staged_.data(), static_cast<int64_t>(staged_.size()), plan_.layouts, host);
     // Up in spans of runs that are back to back but for alignment padding (under kAlign bytes):
     // a wider gap holds a run copied another way (straight from pinned memory, or packed on the
     // device), which a joined span would overwrite.
@@ -404,6 +413,67 @@ class CudaExecutor final : public Executor {
     host_free_[s].record(copy_);
     host_used_[s] = true;
   }
+  HostStager& stager() {
+    if (!stager_) stager_ = std::make_unique<HostStager>(plan_.options.copy_threads);
+    return *stager_;
+  }
+
+  // Bucket k's runs into pageable host memory: its bytes (the span those runs read) come down into a
+  // pinned host slot on `lane`, and are written out by the host once that copy is done, at the latest
+  // when the slot is needed again (a later bucket's unstage) or at the end.
+  void unstage(int64_t bucket, uintptr_t src_base, Lane lane) {
+    const auto& b = plan_.buckets.at(bucket);
+    const ScatterOp* ops = plan_.scatter.data() + b.first_scatter + b.num_scatter - b.num_scatter_host;
+    int64_t lo = b.nbytes, hi = 0;
+    for (int64_t i = 0; i < b.num_scatter_host; ++i) {
+      lo = std::min(lo, ops[i].bucket_offset);
+      hi = std::max(hi, ops[i].bucket_offset + ops[i].count * ops[i].src_size);
+    }
+    if (!unstage_ring_.defined()) {
+      unstage_ring_ = at::empty({plan_.ring_slots * plan_.slot_bytes},
+                                at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    }
+    write_out_unstaged(static_cast<size_t>(plan_.ring_slots) - 1);  // frees the slot this bucket takes
+    const int64_t s = unstage_next_++ % plan_.ring_slots;
+    uint8_t* host = unstage_ring_.data_ptr<uint8_t>() + s * plan_.slot_bytes;
+    C10_CUDA_CHECK(cudaMemcpyAsync(host + lo, reinterpret_cast<const void*>(src_base + lo), hi - lo,
+                                   cudaMemcpyDeviceToHost, lane_stream(lane).stream()));
+    unstaged_.push_back(Unstaged{bucket, host, at::cuda::CUDAEvent()});
+    unstaged_.back().copied.record(lane_stream(lane));
+  }
+
+  // Writes out the oldest unstaged buckets until `keep` are left, each once its copy down is done.
+  void write_out_unstaged(size_t keep) {
+    while (unstaged_.size() > keep) {
+      auto& u = unstaged_.front();
+      if (!wait_event(u.copied, deadline_)) {
+        keep_unstage_ring_if_written();
+        TORCH_CHECK(false, "Timed out: bucket ", u.bucket, " could not be written into the model's pageable host "
+                    "tensors on rank ", rank_, " by the call's deadline, as its broadcast did not finish (a rank "
+                    "stalled, died or called another collective)");
+      }
+      const auto& b = plan_.buckets[u.bucket];
+      stager().scatter(plan_.scatter.data() + b.first_scatter + b.num_scatter - b.num_scatter_host,
+                       b.num_scatter_host, plan_.boxes, u.slot);
+      unstaged_.pop_front();
+    }
+  }
+
+  // Copies down that may still be queued write the unstaging ring whenever their broadcasts end: unless
+  // the last is done, its pinned memory is kept for the process's life rather than handed back for reuse.
+  void keep_unstage_ring_if_written() {
+    if (!unstage_ring_.defined() || unstaged_.empty()) return;
+    bool done = false;
+    try {
+      done = unstaged_.back().copied.query();
+    } catch (...) {
+    }
+    unstaged_.clear();
+    if (done) return;
+    std::vector<at::Tensor> ring{std::move(unstage_ring_)};
+    keep_for_process_life(std::move(ring));
+  }
+
   // The caller's stream waits for every lane; the copy lane's end, for a host wait.
   at::cuda::CUDAEvent order_caller() {
     at::cuda::CUDAEvent comm_done, copy_done;
@@ -424,9 +494,10 @@ class CudaExecutor final : public Executor {
   void wait_host_writes() {
     at::cuda::CUDAEvent all_done;
     all_done.record(caller_);
-    if (wait_event(all_done, deadline_)) return;
+    if (wait_event(all_done, deadline_)) return write_out_unstaged(0);
     if (read_host_) keep_for_process_life(host_inputs());  // copies still queued read them when their broadcasts end
     keep_host_ring();
+    keep_unstage_ring_if_written();
     TORCH_CHECK(false, "Timed out: the writes into the model's host tensors were not done by the call's deadline, "
                 "as they wait for broadcasts that did not finish (a rank stalled, died or called another "
                 "collective); the model's host tensors may still be written, on rank ", rank_);
@@ -484,7 +555,17 @@ class CudaExecutor final : public Executor {
   at::Tensor host_ring_;
   std::vector<at::cuda::CUDAEvent> host_free_;
   std::vector<bool> host_used_;
-  std::unique_ptr<HostStager> stager_;
+  std::unique_ptr<HostStager> stager_;  // the host's threads: the host stage, the unstaging
+  // Pageable destinations: the pinned ring their buckets come down into, and the buckets copied down
+  // but not yet written out (oldest first), each with its slot and the event of its copy.
+  struct Unstaged {
+    int64_t bucket;
+    const uint8_t* slot;
+    at::cuda::CUDAEvent copied;
+  };
+  at::Tensor unstage_ring_;
+  std::deque<Unstaged> unstaged_;
+  int64_t unstage_next_ = 0;
   const bool by_alloc_;  // torch's pinned memory known by its allocator
   const bool join_copies_;  // adjacent direct runs in one copy
   std::unordered_map<uint64_t, bool> pinned_;

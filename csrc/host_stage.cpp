@@ -66,42 +66,90 @@ void HostStager::run(int64_t tasks, const std::function<void(int64_t)>& fn) {
   fn_ = nullptr;
 }
 
+namespace {
+
+// Cuts ops[0, count) into shares of about `per` bytes each (bytes(op)): `parts` gets the runs, cut where
+// cut(op, bytes) splits off a head of at most that many bytes (false: the run stays whole); returns
+// where each share starts in `parts`, and its end.
+template <typename Op, typename Bytes, typename Cut>
+std::vector<int64_t> cut_into_shares(const Op* ops, int64_t count, int64_t per, std::vector<Op>& parts,
+                                     const Bytes& bytes, const Cut& cut) {
+  parts.clear();
+  std::vector<int64_t> starts{0};
+  int64_t filled = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    Op op = ops[i];
+    Op head;
+    while (filled + bytes(op) > per && cut(op, per - filled, head)) {
+      parts.push_back(head);
+      starts.push_back(static_cast<int64_t>(parts.size()));
+      filled = 0;
+    }
+    parts.push_back(op);
+    filled += bytes(op);
+    if (filled >= per) {
+      starts.push_back(static_cast<int64_t>(parts.size()));
+      filled = 0;
+    }
+  }
+  if (starts.back() != static_cast<int64_t>(parts.size())) starts.push_back(static_cast<int64_t>(parts.size()));
+  return starts;
+}
+
+}  // namespace
+
 void HostStager::stage(const CopyOp* ops, int64_t count, const std::vector<Layout>& layouts, uint8_t* bucket) {
+  const auto bytes = [](const CopyOp& op) { return op.nbytes; };
   int64_t total = 0;
-  for (int64_t i = 0; i < count; ++i) total += ops[i].nbytes;
+  for (int64_t i = 0; i < count; ++i) total += bytes(ops[i]);
   const auto shares = static_cast<int64_t>(workers_.size()) + 1;
   if (shares == 1 || total < kMinShare) {
     copy_runs_cpu(ops, count, layouts, bucket, /*pack=*/true);
     return;
   }
-  // Cut contiguous runs so that each share has about total / shares bytes;
-  // strided runs stay whole (their element walk does not split cheaply).
-  const int64_t per = std::max(kMinShare, (total + shares - 1) / shares);
-  parts_.clear();
-  std::vector<int64_t> starts{0};
-  int64_t filled = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    CopyOp op = ops[i];
-    while (op.layout < 0 && filled + op.nbytes > per) {
-      CopyOp head = op;
-      head.nbytes = per - filled;
-      parts_.push_back(head);
-      op.tensor_offset += head.nbytes;
-      op.bucket_offset += head.nbytes;
-      op.nbytes -= head.nbytes;
-      starts.push_back(static_cast<int64_t>(parts_.size()));
-      filled = 0;
-    }
-    parts_.push_back(op);
-    filled += op.nbytes;
-    if (filled >= per) {
-      starts.push_back(static_cast<int64_t>(parts_.size()));
-      filled = 0;
-    }
-  }
-  if (starts.back() != static_cast<int64_t>(parts_.size())) starts.push_back(static_cast<int64_t>(parts_.size()));
+  // Contiguous runs are cut; strided runs stay whole (their element walk does not split cheaply).
+  const auto cut = [](CopyOp& op, int64_t room, CopyOp& head) {
+    if (op.layout >= 0) return false;
+    head = op;
+    head.nbytes = room;
+    op.tensor_offset += room;
+    op.bucket_offset += room;
+    op.nbytes -= room;
+    return true;
+  };
+  const auto starts = cut_into_shares(ops, count, std::max(kMinShare, (total + shares - 1) / shares), parts_, bytes, cut);
   run(static_cast<int64_t>(starts.size()) - 1, [&](int64_t s) {
     copy_runs_cpu(parts_.data() + starts[s], starts[s + 1] - starts[s], layouts, bucket, /*pack=*/true);
+  });
+}
+
+void HostStager::scatter(const ScatterOp* ops, int64_t count, const std::vector<Box>& boxes, const uint8_t* bucket) {
+  const auto src_base = reinterpret_cast<uintptr_t>(bucket);
+  const auto bytes = [](const ScatterOp& op) { return op.count * op.dst_size; };
+  int64_t total = 0;
+  for (int64_t i = 0; i < count; ++i) total += bytes(ops[i]);
+  const auto shares = static_cast<int64_t>(workers_.size()) + 1;
+  if (shares == 1 || total < kMinShare) {
+    copy_cast_runs_cpu(ops, count, boxes, src_base, 0);
+    return;
+  }
+  // Runs are cut by elements (a boxed run's elements are those of its span, written where they fall in
+  // the box). A cast run stays whole: torch's CPU cast rounds NaN payloads one way in its vectorized
+  // body and another in its scalar tail, and cut pieces would move the tails.
+  const auto cut = [](ScatterOp& op, int64_t room, ScatterOp& head) {
+    const int64_t n = std::max<int64_t>(1, room / op.dst_size);
+    if (op.src_type != op.dst_type || n >= op.count) return false;
+    head = op;
+    head.count = n;
+    op.first += n;
+    op.bucket_offset += n * op.src_size;
+    op.count -= n;
+    return true;
+  };
+  const auto starts =
+      cut_into_shares(ops, count, std::max(kMinShare, (total + shares - 1) / shares), scatter_parts_, bytes, cut);
+  run(static_cast<int64_t>(starts.size()) - 1, [&](int64_t s) {
+    copy_cast_runs_cpu(scatter_parts_.data() + starts[s], starts[s + 1] - starts[s], boxes, src_base, 0);
   });
 }
 

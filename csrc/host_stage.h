@@ -1,6 +1,8 @@
 // host stage: a load's source copies its host-memory runs (pageable or
 // memory-mapped checkpoint tensors) into a pinned bucket with a few threads,
-// so that the host-to-device copy of one bucket overlaps the staging of the next.
+// so that the host-to-device copy of one bucket overlaps the staging of the next;
+// a rank whose shards lie in pageable host memory (FSDP2's CPU offload without
+// pinning) writes them out of a pinned copy of the bucket the same way.
 #pragma once
 
 #include <condition_variable>
@@ -24,6 +26,9 @@ class HostStager {
   // Packs `ops[0, count)` into `bucket` (host memory) at their bucket offsets,
   // spread over the threads by bytes; returns when every byte is there.
   void stage(const CopyOp* ops, int64_t count, const std::vector<Layout>& layouts, uint8_t* bucket);
+  // Writes the cast-copy runs `ops[0, count)` out of `bucket` (host memory, read at src_base +
+  // bucket_offset) into the tensors, spread over the threads by bytes; returns when all are written.
+  void scatter(const ScatterOp* ops, int64_t count, const std::vector<Box>& boxes, const uint8_t* bucket);
 
  private:
   void work();
@@ -37,6 +42,7 @@ class HostStager {
   uint64_t generation_ = 0;
   bool stop_ = false;
   std::vector<CopyOp> parts_;  // the runs of one stage() cut into about equal shares
+  std::vector<ScatterOp> scatter_parts_;  // and of one scatter()
 };
 
 }  // namespace coalesced_bcast

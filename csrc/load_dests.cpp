@@ -368,16 +368,9 @@ py::tuple load_dests(
         problem(i, key + " is on the meta device: materialize the model first (model.to_empty(device=...))");
         continue;
       }
-      // On a GPU, a destination in pinned host memory (FSDP2's CPU offload) is written from the GPU (the
-      // copy engine, or the scatter kernel through its mapped address); pageable memory neither can reach
-      // without blocking the host per copy.
+      // On a GPU, a destination in host memory (FSDP2's CPU offload) is written from there: pinned memory
+      // by the GPU, pageable memory by the host out of a pinned copy of the bucket (load_plan.cpp).
       const bool host_dest = local.numel() > 0 && local.is_cpu() && device.is_cuda();
-      if (host_dest && !local.is_pinned()) {
-        problem(i, key + " is in pageable host memory, and a load on " + device.str() + " writes host tensors "
-                       "from the GPU, which needs pinned memory: pin the model's host tensors (FSDP2: "
-                       "CPUOffloadPolicy(pin_memory=True)) or load over a gloo group");
-        continue;
-      }
       if (local.numel() > 0 && local.device() != device && !host_dest) {
         std::ostringstream s;
         s << key << " is on " << local.device() << ", the model's first tensor on " << device

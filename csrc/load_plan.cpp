@@ -136,8 +136,9 @@ Plan make_load_plan(
     int64_t bucket;
     ScatterOp op;
     int64_t dest;  // index into dests
-    bool copy;     // into host memory by the copy engine
+    int route;     // who writes it: kByKernel, kByCopyEngine (pinned host memory), kByHost (pageable)
   };
+  enum { kByKernel = 0, kByCopyEngine = 1, kByHost = 2 };
   const bool host_copies = host_writes_by_copy_engine();
   std::vector<Piece> pieces;
   pieces.reserve(dests.size() + static_cast<size_t>(num_buckets));
@@ -154,7 +155,7 @@ Plan make_load_plan(
                       m[0], " of ", units.size());
     const auto& u = units[m[0]];
     const auto what = [&] { return "destination " + std::to_string(i) + " on rank " + std::to_string(options.rank); };
-    const bool host = plan.device.is_cuda() && t.defined() && t.is_cpu();  // pinned: load_dests checked it
+    const bool host = plan.device.is_cuda() && t.defined() && t.is_cpu();
     TORCH_CHECK_VALUE(t.defined() && t.layout() == at::kStrided && t.has_storage() && (t.device() == plan.device || host),
                       what(), " is not a dense tensor on ", plan.device);
     plan.writes_host = plan.writes_host || (host && t.numel() > 0 && u.nbytes > 0);
@@ -192,6 +193,8 @@ Plan make_load_plan(
       box_index = static_cast<int32_t>(plan.boxes.size() - 1);
     }
     const auto ptr = reinterpret_cast<uint64_t>(t.data_ptr());
+    // Asked once per destination in host memory (CUDA knows pinned memory by address).
+    const bool pageable = host && !t.is_pinned();
     for (int64_t e = e0; e < e1;) {
       const int64_t pos = u.offset + e * u.elem_size;
       const int64_t k = pos / B;
@@ -209,9 +212,9 @@ Plan make_load_plan(
       // Large byte runs into host memory go by the copy engine: the kernel's stores cross the bus as
       // the source's reads come up it, and the two did not overlap (one H200: a 9.66 GB MoE load
       // into offloaded shards from pinned memory took the sum of the two directions' times).
-      const bool copy = host && host_copies && flat && op.src_type == op.dst_type &&
+      const bool copy = host && !pageable && host_copies && flat && op.src_type == op.dst_type &&
                         op.count * op.src_size >= kHostCopyMin;
-      pieces.push_back(Piece{k, op, static_cast<int64_t>(i), copy});
+      pieces.push_back(Piece{k, op, static_cast<int64_t>(i), pageable ? kByHost : copy ? kByCopyEngine : kByKernel});
       e = end;
     }
   }
@@ -234,18 +237,20 @@ Plan make_load_plan(
   fill(run_bucket, false, &Bucket::first_op, &Bucket::num_ops);
   fill(run_bucket, true, &Bucket::first_host, &Bucket::num_host);
   plan.scatter.reserve(pieces.size());
-  for (size_t p = 0; p < pieces.size();) {  // per bucket: the kernel's runs, then the copy engine's
+  for (size_t p = 0; p < pieces.size();) {  // per bucket: the kernel's runs, the copy engine's, the host's
     size_t q = p;
     while (q < pieces.size() && pieces[q].bucket == pieces[p].bucket) ++q;
     auto& b = plan.buckets[pieces[p].bucket];
     b.first_scatter = static_cast<int64_t>(plan.scatter.size());
-    for (const bool copies : {false, true}) {
+    for (const int route : {kByKernel, kByCopyEngine, kByHost}) {
       for (size_t i = p; i < q; ++i) {
-        if (pieces[i].copy != copies) continue;
+        if (pieces[i].route != route) continue;
         auto op = pieces[i].op;
         op.first_chunk = b.scatter_chunks;
-        if (copies) {
+        if (route == kByCopyEngine) {
           ++b.num_scatter_copies;
+        } else if (route == kByHost) {
+          ++b.num_scatter_host;
         } else {
           b.scatter_chunks += (op.count * op.src_size + kScatterChunk - 1) / kScatterChunk;
         }
@@ -385,6 +390,10 @@ void validate_load_table(const Plan& plan) {
     check_runs(plan.host_ops, b.first_host, b.num_host, b, k);
     TORCH_CHECK(b.first_scatter >= 0 && b.first_scatter + b.num_scatter <= static_cast<int64_t>(plan.scatter.size()),
                 "bucket ", k, " scatter range out of bounds");
+    TORCH_CHECK(b.num_scatter_copies >= 0 && b.num_scatter_host >= 0 &&
+                    b.num_scatter_copies + b.num_scatter_host <= b.num_scatter,
+                "bucket ", k, " has ", b.num_scatter, " scatter runs, of which ", b.num_scatter_copies,
+                " by the copy engine and ", b.num_scatter_host, " by the host");
     for (int64_t i = b.first_scatter; i < b.first_scatter + b.num_scatter; ++i) {
       const auto& op = plan.scatter[i];
       TORCH_CHECK(op.count > 0 && op.bucket_offset >= 0 && op.bucket_offset + op.count * op.src_size <= b.nbytes &&

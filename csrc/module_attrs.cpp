@@ -9,6 +9,9 @@ const ModuleAttrs& module_attrs() {
       PyUnicode_InternFromString("_buffers"),
       PyUnicode_InternFromString("get_extra_state"),
       PyUnicode_InternFromString("_load_state_dict_post_hooks"),
+      PyUnicode_InternFromString("_load_state_dict_pre_hooks"),
+      PyUnicode_InternFromString("_load_from_state_dict"),
+      PyUnicode_InternFromString("__module__"),
   };
   return a;
 }

@@ -16,6 +16,9 @@ struct ModuleAttrs {
   PyObject* buffers;
   PyObject* get_extra_state;
   PyObject* load_post_hooks;  // _load_state_dict_post_hooks
+  PyObject* load_pre_hooks;   // _load_state_dict_pre_hooks
+  PyObject* load_from_state_dict;  // _load_from_state_dict
+  PyObject* module_name;      // __module__
 };
 
 // Made under the GIL, on first use.

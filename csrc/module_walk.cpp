@@ -1,5 +1,6 @@
 #include "module_walk.h"
 
+#include <cstring>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -17,12 +18,14 @@ struct ModuleDicts {
   py::object children, parameters, buffers;
 };
 
-bool read_module(PyObject* m, ModuleDicts& out) {
+// pre_hooks: where given, the module's _load_state_dict_pre_hooks too (empty where it has no such dict).
+bool read_module(PyObject* m, ModuleDicts& out, py::object* pre_hooks = nullptr) {
   const auto& a = module_attrs();
   py::object own = py::reinterpret_steal<py::object>(PyObject_GenericGetDict(m, nullptr));
   if (!own) PyErr_Clear();
   out = {dict_attr(m, own.ptr(), a.modules), dict_attr(m, own.ptr(), a.parameters),
          dict_attr(m, own.ptr(), a.buffers)};
+  if (pre_hooks != nullptr) *pre_hooks = dict_attr(m, own.ptr(), a.load_pre_hooks);
   if (!out.children || !out.parameters || !out.buffers) return false;
   if (PyDict_CheckExact(out.children.ptr())) {
     Py_ssize_t pos = 0;
@@ -60,9 +63,38 @@ struct LoadWalk {
   PyObject* base;
   std::string extra_key;
   std::unordered_map<PyTypeObject*, bool> overrides;  // per type: get_extra_state is not base
+  std::unordered_map<PyTypeObject*, bool> own_loaders;  // per type: _load_from_state_dict is not torch's
   std::vector<PyObject*> path;  // names from the root, borrowed from the _modules dicts
   py::dict extra;
   IdSet owned;
+  py::list custom = py::list();  // (prefix, module): load logic of its own, or load pre-hooks, for Python to judge
+
+  // "a.b." for the module at the current path.
+  std::string prefix() const {
+    std::string key;
+    for (PyObject* name : path) {
+      Py_ssize_t len = 0;
+      const char* s = PyUnicode_AsUTF8AndSize(name, &len);
+      if (s == nullptr) throw py::error_already_set();
+      key.append(s, len).push_back('.');
+    }
+    return key;
+  }
+
+  // Whether the type's _load_from_state_dict is other than torch's own (nn.Module's, batch norm's, ...):
+  // defined in a module outside the torch package.
+  bool own_loader(PyObject* m) {
+    auto [it, fresh] = own_loaders.try_emplace(Py_TYPE(m), false);
+    if (fresh) {
+      const auto& a = module_attrs();
+      py::object f = attr_or_empty(reinterpret_cast<PyObject*>(Py_TYPE(m)), a.load_from_state_dict);
+      py::object where = f ? attr_or_empty(f.ptr(), a.module_name) : py::object();
+      const char* s = where && PyUnicode_Check(where.ptr()) ? PyUnicode_AsUTF8(where.ptr()) : nullptr;
+      if (s == nullptr) PyErr_Clear();
+      it->second = s == nullptr || !(std::strcmp(s, "torch") == 0 || std::strncmp(s, "torch.", 6) == 0);
+    }
+    return it->second;
+  }
 
   bool overridden(PyObject* m) {
     auto [it, fresh] = overrides.try_emplace(Py_TYPE(m), false);
@@ -84,17 +116,12 @@ struct LoadWalk {
 
   bool walk(PyObject* m) {
     ModuleDicts d;
-    if (!read_module(m, d)) return false;
+    py::object pre_hooks;
+    if (!read_module(m, d, &pre_hooks)) return false;
     if (!add_ids(d.parameters.ptr()) || !add_ids(d.buffers.ptr())) return false;
-    if (overridden(m)) {
-      std::string key;
-      for (PyObject* name : path) {
-        Py_ssize_t len = 0;
-        const char* s = PyUnicode_AsUTF8AndSize(name, &len);
-        if (s == nullptr) throw py::error_already_set();
-        key.append(s, len).push_back('.');
-      }
-      extra[py::str(key + extra_key)] = py::handle(m);
+    if (overridden(m)) extra[py::str(prefix() + extra_key)] = py::handle(m);
+    if ((pre_hooks && PyDict_Size(pre_hooks.ptr()) > 0) || own_loader(m)) {
+      custom.append(py::make_tuple(py::str(prefix()), py::handle(m)));
     }
     return for_items(d.children.ptr(), [&](PyObject* key, PyObject* child) {
       if (child == Py_None) return true;
@@ -112,7 +139,7 @@ struct LoadWalk {
 py::object load_walk(const py::handle& module, const py::handle& base, const std::string& extra_key) {
   LoadWalk w{base.ptr(), extra_key};
   if (!w.walk(module.ptr())) return py::none();
-  return py::make_tuple(w.extra, py::cast(std::move(w.owned)));
+  return py::make_tuple(w.extra, py::cast(std::move(w.owned)), w.custom);
 }
 
 py::object module_slots(const py::handle& module, bool include_buffers, bool dedupe) {

@@ -24,10 +24,12 @@ namespace py = pybind11;
 py::object module_slots(const py::handle& module, bool include_buffers, bool dedupe);
 
 // For a load, walked as state_dict() walks (every path, a module reached twice
-// read twice): (extra, owned) with extra the state-dict key of each module
-// whose type's get_extra_state is not `base` ("<path>._extra_state" -> module)
-// and owned the ids of the tree's parameters and buffers, an IdSet (state_dict.py
-// _walk_modules, which walks in Python where this returns None).
+// read twice): (extra, owned, custom) with extra the state-dict key of each
+// module whose type's get_extra_state is not `base` ("<path>._extra_state" ->
+// module), owned the ids of the tree's parameters and buffers, an IdSet, and
+// custom the (prefix, module) of each module with load pre-hooks or a
+// _load_from_state_dict not defined in torch (state_dict.py _walk_modules,
+// which walks in Python where this returns None).
 py::object load_walk(const py::handle& module, const py::handle& base, const std::string& extra_key);
 
 }  // namespace coalesced_bcast

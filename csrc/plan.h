@@ -62,9 +62,12 @@ struct Bucket {
   int64_t first_scatter = 0;
   int64_t num_scatter = 0;
   int64_t scatter_chunks = 0;
-  // The last this many of the scatter runs are byte copies into pinned host memory (Plan::writes_host)
-  // that the copy engine makes rather than the kernel: no chunks of the kernel's.
+  // After the kernel's runs: this many byte copies into pinned host memory (Plan::writes_host) that
+  // the copy engine makes (no chunks of the kernel's), then this many runs into pageable host memory,
+  // which the host's threads write from a pinned copy of the bucket (neither the kernel nor an
+  // asynchronous copy reaches pageable memory).
   int64_t num_scatter_copies = 0;
+  int64_t num_scatter_host = 0;
   // This rank's bytes of the bucket already lie back to back in one storage
   // (direct.cpp): that of tensor `direct_tensor` (a receiver's dests, a refit
   // sender's inputs), from byte `direct_offset` of it. -1: through the ring slot.
@@ -141,9 +144,10 @@ struct Plan {
   std::vector<c10::DeleterFnPtr> host_allocs;
   std::vector<ScatterOp> scatter;
   std::vector<Box> boxes;
-  // Some dests lie in pinned host memory (FSDP2's CPU offload on a GPU): the copy engine (large byte
-  // runs) and the scatter kernel (the rest, through the mapped address) write them, and the call returns
-  // only once those writes are done, as the host may read them at once.
+  // Some dests lie in host memory (FSDP2's CPU offload on a GPU). Pinned: the copy engine (large byte
+  // runs) and the scatter kernel (the rest, through the mapped address) write them. Pageable: the
+  // bucket's bytes come down into a pinned host ring and the host's threads write them out. Either way
+  // the call returns only once those writes are done, as the host may read them at once.
   bool writes_host = false;
 
   // Refits' senders (make_refit_plan), on every trainer rank: `inputs` are this

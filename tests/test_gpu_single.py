@@ -330,7 +330,7 @@ def offloaded_load_body(rank, world_size):
     """FSDP2 with CPUOffloadPolicy: the sharded parameters in pinned host memory, the buffers on the GPU.
     The load writes the host shards from the GPU (the scatter kernel, casting where asked) and returns once
     they are written: read on the host at once, with no synchronize, they are the checkpoint's bytes.
-    Pageable offload (pin_memory=False) is refused on every rank before any write."""
+    Pageable offload (pin_memory=False): the same, through the host's threads."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -376,16 +376,36 @@ def offloaded_load_body(rank, world_size):
                 assert torch.equal(local.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)), \
                     f"{source}, {dtype}: '{k}' differs on rank {rank}"
             assert stats.cast_keys == (len(full) - 1 if dtype != torch.float32 else 0), stats
-    # Pageable host shards: refused on every rank, naming the key, nothing written.
-    model = offloaded(False, torch.float32)
-    before = {k: v.to_local().clone() for k, v in model.state_dict().items() if k != "steps"}
-    sd = {k: v.pin_memory() for k, v in full.items()} if rank == 0 else None
-    with pytest.raises(Exception, match=r"pin.*CPUOffloadPolicy\(pin_memory=True\)") as e:
-        coalesced_bcast.load_full_state_dict(model, sd)
-    assert "0.weight" in str(e.value), str(e.value)
-    for k, v in model.state_dict().items():
-        if k != "steps":
-            assert torch.equal(v.to_local(), before[k]), f"'{k}' was written by a refused load"
+    # Pageable host shards (pin_memory=False): written by the host's threads out of a pinned copy of each
+    # bucket, in place, casting as torch's CPU copy does (a bf16 model: its cast of a NaN may keep another
+    # payload than the GPU's, so NaNs are checked as NaNs there and every other value bit for bit).
+    for source in ("pinned", "pageable", "gpu"):
+        for dtype in (torch.float32, torch.bfloat16):
+            model = offloaded(False, dtype)
+            locals_ = {k: v.to_local() for k, v in model.state_dict().items() if k != "steps"}
+            assert all(t.is_cpu and not t.is_pinned() for t in locals_.values())
+            sd = None
+            if rank == 0:
+                sd = {k: v.pin_memory() if source == "pinned" else v.to(dev) if source == "gpu" else v.clone()
+                      for k, v in full.items()}
+            stats = coalesced_bcast.load_full_state_dict(model, sd, copy_threads=3)
+            assert stats.host_ring_bytes > 0, stats  # the unstaging ring (and the source's stage, if pageable)
+            for k, v in model.state_dict().items():
+                if k == "steps":
+                    assert torch.equal(v, full[k].to(dev)), k
+                    continue
+                local = v.to_local()
+                assert local.data_ptr() == locals_[k].data_ptr() and not local.is_pinned(), f"'{k}' moved"
+                want = full[k].to(dtype).chunk(world_size)[rank]  # torch's CPU cast
+                if dtype == torch.float32:
+                    assert torch.equal(local.view(torch.int32), want.contiguous().view(torch.int32)), \
+                        f"pageable, {source}: '{k}' differs on rank {rank}"
+                else:
+                    nan = want.isnan()
+                    assert torch.equal(local.isnan(), nan), f"pageable, {source}, bf16: '{k}' NaNs differ"
+                    assert torch.equal(local[~nan].view(torch.int16), want[~nan].view(torch.int16)), \
+                        f"pageable, {source}, bf16: '{k}' differs on rank {rank}"
+            assert stats.cast_keys == (len(full) - 1 if dtype != torch.float32 else 0), stats
 
 
 @pytest.mark.parametrize("host_writes", [None, "kernel"])

@@ -32,3 +32,57 @@ def test_threaded_pack_equals_concatenation(threads):
     ] + [torch.randn(int(n), generator=g) for n in torch.randint(1, 5000, (300,), generator=g)]
     got = _C._host_stage(tensors, threads)
     assert torch.equal(got, _expected(tensors))
+
+
+def _unit_row(t):
+    from coalesced_bcast.state_dict import _dtype_code
+    row = torch.zeros(10, dtype=torch.int64)
+    row[0], row[1] = _dtype_code(t.dtype), t.dim()
+    row[2:2 + t.dim()] = torch.tensor(t.shape)
+    return row
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_threaded_unstage_writes_each_box(threads):
+    """The other direction (a rank with pageable host shards): a load plan's scatter runs written out of the
+    byte stream by several threads land exactly in each destination's box, cast as torch's CPU cast, with
+    large byte runs cut between threads and across buckets."""
+    g = torch.Generator().manual_seed(threads)
+    full = [
+        torch.randint(-2**31, 2**31 - 1, (3 << 18,), generator=g, dtype=torch.int32).view(torch.float32),
+        torch.randn(96, 70, generator=g),                             # columns [20, 55) of it: a boxed run
+        torch.randn(5000, generator=g).to(torch.bfloat16),            # into float32: a cast run
+        torch.randint(-9, 9, (33, 3), generator=g, dtype=torch.int64),  # rows [11, 22)
+        torch.randint(0, 2, (17,), generator=g).bool(),
+        torch.randn(2 << 18, generator=g),                            # into bfloat16, whole
+    ]
+    boxes = [None, (1, 20, 55), None, (0, 11, 22), None, None]
+    dtypes = [torch.float32, torch.float32, torch.float32, torch.int64, torch.bool, torch.bfloat16]
+    dests, meta, want = [], torch.zeros((len(full), 9), dtype=torch.int64), []
+    for i, (t, box, dt) in enumerate(zip(full, boxes, dtypes)):
+        part = t if box is None else t.narrow(box[0], box[1], box[2] - box[1])
+        meta[i, 0] = i
+        if box is not None:
+            meta[i, 1 + box[0]] = box[1]
+        want.append(part.to(dt))
+        dests.append(torch.zeros(part.shape, dtype=dt))
+    units = torch.stack([_unit_row(t) for t in full])
+    B = 1 << 20
+    plan = _C.load_plan(units, [], list(dests), meta, B, 2, 0, threads, torch.device("cpu"))
+    stream = torch.zeros(plan.num_buckets * B, dtype=torch.uint8)
+    offset = 0
+    for t in full:
+        offset += -offset % 16
+        raw = t.reshape(-1).view(torch.uint8)
+        stream[offset:offset + raw.numel()] = raw
+        offset += raw.numel()
+    assert plan.num_buckets >= 4
+    _C._host_scatter(plan, stream, threads)
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.bool: torch.uint8}
+    for i, (got, w) in enumerate(zip(dests, want)):
+        if w.is_floating_point():  # NaN payloads: torch's own CPU cast keeps one or another (vector or tail)
+            nan = w.isnan()
+            assert torch.equal(got.isnan(), nan), i
+            got, w = got[~nan], w[~nan]
+        assert torch.equal(got.view(bits.get(got.dtype, got.dtype)), w.view(bits.get(w.dtype, w.dtype))), \
+            f"destination {i}"

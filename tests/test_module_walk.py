@@ -120,7 +120,8 @@ def test_load_walk_is_state_dicts_walk():
     root = nn.Sequential(m, WithExtra())
     found = _C.load_walk(root, nn.Module.get_extra_state, _EXTRA)
     assert found is not None
-    extra, owned = found
+    extra, owned, custom = found
+    assert custom == []  # no load logic of its own anywhere
     sd_extra = [k for k in root.state_dict() if k.endswith(_EXTRA)]
     assert sorted(extra) == sorted(sd_extra) == sorted(["0.blocks.0.extra._extra_state",
                                                         "0.blocks.2.extra._extra_state", "1._extra_state"])
@@ -134,8 +135,8 @@ def test_load_walk_is_state_dicts_walk():
     again = _walk_modules(root)
     assert again[0] == extra and again[1].to_set() == owned.to_set()
     from coalesced_bcast.state_dict import _walk_modules_py
-    py_extra, py_owned = _walk_modules_py(root)  # the fallback, walked in Python, agrees
-    assert py_extra == extra and py_owned.to_set() == owned.to_set()
+    py_extra, py_owned, py_custom = _walk_modules_py(root)  # the fallback, walked in Python, agrees
+    assert py_extra == extra and py_owned.to_set() == owned.to_set() and py_custom == custom
 
 
 def test_id_set_holds_exactly_its_ids():
@@ -156,5 +157,5 @@ def test_load_walk_leaves_other_mappings_to_python():
     assert _C.load_walk(m, nn.Module.get_extra_state, _EXTRA) == _walk_modules_py(m)
     m.head._buffers = Frozen({})
     assert _C.load_walk(m, nn.Module.get_extra_state, _EXTRA) is None
-    extra, owned = _walk_modules(m)  # the Python walk (_walk_modules_py)
+    extra, owned, _ = _walk_modules(m)  # the Python walk (_walk_modules_py)
     assert extra == {} and id(m.embed.weight) in owned

@@ -678,3 +678,83 @@ def test_load_state_dict_semantics_of_old_checkpoints_none_children_and_get_only
     post-hooks that clear missing or unexpected keys before strict is judged (before, strict was judged
     before the hooks ran, so such a load failed where torch's succeeded)."""
     run_ranks(2, _torch_semantics_body, timeout=120)
+
+
+class _Doubled(nn.Linear):
+    """Load logic of its own: the checkpoint's weight doubled on the way in."""
+
+    def _load_from_state_dict(self, sd, prefix, *args):
+        sd = dict(sd)
+        if prefix + "weight" in sd:
+            sd[prefix + "weight"] = sd[prefix + "weight"] * 2
+        super()._load_from_state_dict(sd, prefix, *args)
+
+
+def _transpose_on_load(module, sd, prefix, *args):
+    if prefix + "weight" in sd:
+        sd[prefix + "weight"] = sd[prefix + "weight"].t().contiguous()
+
+
+def _legacy_key_on_load(sd, prefix, *args):  # renames a key of an older layout; nothing to do for current ones
+    if prefix + "w" in sd:
+        sd[prefix + "weight"] = sd.pop(prefix + "w")
+
+
+def _custom_load_logic_body(rank: int, world_size: int) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.nn.utils import spectral_norm
+    from torch.nn.utils.parametrizations import weight_norm
+
+    def served():  # torch's own load logic (checkpoint_wrapper's key prefix, weight_norm, spectral_norm, batch
+        # norm), and a compatibility pre-hook of the model's own that changes nothing for this checkpoint
+        m = nn.Sequential(checkpoint_wrapper(nn.Linear(6, 6)), weight_norm(nn.Linear(6, 5)),
+                          spectral_norm(nn.Linear(5, 5)), nn.BatchNorm1d(5))
+        m[2]._register_load_state_dict_pre_hook(_legacy_key_on_load)
+        return m
+
+    def refused(kind):
+        m = nn.Sequential(nn.Linear(4, 4), _Doubled(4, 4) if kind == "override" else nn.Linear(4, 4))
+        if kind == "pre_hook":
+            m[1].register_load_state_dict_pre_hook(_transpose_on_load)
+        return m
+
+    for make in (served, lambda: refused("override"), lambda: refused("pre_hook")):
+        torch.manual_seed(0)
+        source = make()
+        with torch.no_grad():
+            for t in source.state_dict().values():
+                if t.is_floating_point():
+                    t.normal_()
+        sd = {k: v.clone() for k, v in source.state_dict().items()}
+        want = make()
+        want.load_state_dict({k: v.clone() for k, v in sd.items()})
+        model = make()
+        with torch.no_grad():
+            for t in model.state_dict().values():
+                if t.is_floating_point():
+                    t.fill_(7.0)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        if make is served:
+            load_full_state_dict(model, sd if rank == 0 else None)
+            for k, v in model.state_dict().items():
+                assert same_bits(v, want.state_dict()[k]), f"'{k}' differs from load_state_dict's on rank {rank}"
+            continue
+        with pytest.raises(LoadStateDictError, match=r"'1' \((_Doubled|Linear)\) (overrides _load_from_state_dict|"
+                           r"has a load_state_dict pre-hook \(_transpose_on_load\) that changed '1.weight').*"
+                           r"skip_custom_load_logic=True"):
+            load_full_state_dict(model, sd if rank == 0 else None)
+        for k, v in model.state_dict().items():
+            assert same_bits(v, before[k]), f"'{k}' was written by a refused load on rank {rank}"
+        # Asked to, the load copies the checkpoint's values as they are (not what load_state_dict makes of them).
+        load_full_state_dict(model, sd if rank == 0 else None, skip_custom_load_logic=True)
+        for k, v in model.state_dict().items():
+            assert same_bits(v, sd[k]), f"'{k}' is not the checkpoint's value on rank {rank}"
+        assert not same_bits(model[1].weight, want[1].weight)  # what the custom logic would have made differs
+
+
+def test_modules_with_load_logic_of_their_own_are_refused_on_every_rank() -> None:
+    """A _load_from_state_dict override, or a load pre-hook that changes the checkpoint's keys or values, defined
+    outside torch, would not run in this load, so it is refused on every rank, naming the module, with nothing
+    written (before, the values were written as plain copies: a silent difference from load_state_dict). Torch's
+    own load logic is served as it was, and so is a compatibility pre-hook with nothing to do."""
+    run_ranks(2, _custom_load_logic_body, timeout=120)

@@ -9,11 +9,13 @@ laid out back to back in buckets of ``bucket_bytes``; the source packs each buck
 and small pinned host tensors by a kernel, large pinned runs by the copy engine, pageable tensors by
 ``copy_threads`` threads through a pinned staging ring), it is broadcast, and every rank writes out
 of it only its own shards, cast in the kernel where the model's dtype differs (csrc/load_plan.cpp,
-csrc/executor_cuda.cu, csrc/scatter_cuda.cu).
+csrc/executor_cuda.cu, csrc/scatter_cuda.cu). Shards in host memory (FSDP2's CPU offload) are written
+from the GPU where pinned, and out of a pinned copy of each bucket by the same threads where pageable.
 
 Memory: every rank holds ``ring_depth`` device buckets of ``bucket_bytes``; the source, when it
-stages pageable host tensors, also ``ring_depth`` pinned host buckets. Nothing the size of a tensor is
-allocated anywhere: a tensor larger than a bucket is split across buckets.
+stages pageable host tensors, also ``ring_depth`` pinned host buckets, and a rank with shards in
+pageable host memory another ``ring_depth``. Nothing the size of a tensor is allocated anywhere: a
+tensor larger than a bucket is split across buckets.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import logging
 import os
 import pickle
 import time
+import types
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
@@ -66,7 +69,7 @@ class LoadStats:
     missing_keys: tuple[str, ...]  # model keys absent from the checkpoint (left as they were)
     unexpected_keys: tuple[str, ...]  # checkpoint keys the model does not have (ignored)
     ring_bytes: int  # device bucket bytes held during the call (host bytes for a CPU model)
-    host_ring_bytes: int  # pinned host bucket bytes (the source, for CPU tensors into a GPU model)
+    host_ring_bytes: int  # pinned host bucket bytes (staging CPU sources into, or unstaging into pageable shards)
     seconds: float  # host wall time on this rank
     # buckets this rank received straight into its tensors (no slot, no copy): their bytes lie back to
     # back there in the checkpoint's dtype (whole tensors spanning buckets, or a model in one buffer)
@@ -86,6 +89,7 @@ def load_full_state_dict(
     copy_threads: Optional[int] = None,
     progress_seconds: float = 5.0,
     timeout: Optional[Union[float, timedelta]] = None,
+    skip_custom_load_logic: bool = False,
 ) -> LoadStats:
     """Load the source rank's full state dict ``sd`` into ``model`` on every rank, as
     ``model.load_state_dict(sd, strict)`` would on one process.
@@ -101,10 +105,12 @@ def load_full_state_dict(
         strict: as in ``load_state_dict``: missing or unexpected keys raise on every rank.
         bucket_bytes: bytes per bucket (a multiple of 16, at least 4096); as in ``broadcast_tensors``.
         ring_depth: buckets in the ring; extra device memory is ``bucket_bytes * ring_depth``.
-        copy_threads: CPU threads that copy pageable source tensors into pinned buckets (default:
-            up to 8, the source only).
+        copy_threads: CPU threads that copy pageable host memory: the source's tensors into pinned
+            buckets, and on any rank buckets into the model's pageable host shards (default: up to 8).
         progress_seconds: the source logs bytes, GB/s and ETA at this interval for longer loads.
         timeout: seconds (or a timedelta) for each bucket's broadcast; default: the group's.
+        skip_custom_load_logic: load modules with load logic of their own (below) as plain copies rather than
+            refuse them.
 
     Keys are the model's ``state_dict()`` keys (persistent buffers only); a checkpoint value is cast to the model
     tensor's dtype on the device after transfer. As ``load_state_dict``: batch norm's ``num_batches_tracked`` may be
@@ -115,9 +121,14 @@ def load_full_state_dict(
     key, and the model's post-hooks run afterwards, children first (FSDP2 registers one per parameter; those with
     nothing to do after the in-place writes are passed over) and may clear missing or unexpected keys: where the
     model has such hooks (any but FSDP's own) and ``strict`` finds keys, it is judged after them, so that error, as
-    ``load_state_dict``'s, comes after the tensors are written. Unlike it: custom ``_load_from_state_dict``
-    overrides and load pre-hooks, which rewrite the incoming dict, do not run, and a ``set_extra_state`` that raises
-    does so after the tensors are written. Non-persistent buffers are not in a state dict and are left as they are.
+    ``load_state_dict``'s, comes after the tensors are written. Unlike it, the tensors are written as plain copies
+    of the checkpoint's values. Load logic that a model defines outside torch, which may rename, transform or derive
+    values, is refused on every rank before anything is written, naming the module, unless
+    ``skip_custom_load_logic``: a ``_load_from_state_dict`` override always, a load pre-hook where, run on the
+    source's checkpoint as load_state_dict runs it, it changes a key or a value (a compatibility hook given a
+    checkpoint in the current layout changes nothing and loads). Torch's own (FSDP2's, checkpoint_wrapper's, batch
+    norm's, weight_norm's) are served. A ``set_extra_state`` that raises does so after the tensors are written.
+    Non-persistent buffers are not in a state dict and are left as they are.
     Any other error (missing or unexpected keys under ``strict``, a shape mismatch, a bad value, a model that
     differs between ranks) is raised on every rank before any tensor is written. On CUDA the caller's current stream
     is made to wait for the load: the model can be used at once in stream order.
@@ -133,7 +144,16 @@ def load_full_state_dict(
         model_sd, extra_mods, owned, error = None, {}, _C.IdSet(()), None
         try:
             model_sd = model.state_dict(keep_vars=True)  # FSDP2's pre-hook reshards first
-            extra_mods, owned = _walk_modules(model)
+            extra_mods, owned, custom = _walk_modules(model)
+            if custom and not skip_custom_load_logic:
+                unserved, hooks = _custom_load_logic(custom)
+                if hooks and is_src and isinstance(sd, Mapping):
+                    unserved += _pre_hook_changes(hooks, sd, strict)
+                if unserved:
+                    raise ValueError("load logic of the model's own that load_state_dict would run and this load "
+                                     "does not: " + "; ".join(unserved) + ". Load such a model with load_state_dict, "
+                                     "or pass skip_custom_load_logic=True where that logic does nothing that a "
+                                     "plain copy of the checkpoint's values into the tensors does not")
             device = _model_device(model_sd, extra_mods, pg)
         except Exception as e:  # reported through the agreement below, so no rank is left waiting
             error, device = f"{type(e).__name__}: {e}", ctrl
@@ -149,7 +169,7 @@ def load_full_state_dict(
             raise LoadStateDictError(f"load_full_state_dict: source rank {src} refused, so no rank loaded "
                                      f"anything: {meta['fatal']}")
         plan = _plan_local(model, model_sd, extra_mods, owned, meta, src_tensors, strict, device, rank,
-                           error or unreadable, bucket_bytes, ring_depth, copy_threads if is_src else 1)
+                           error or unreadable, bucket_bytes, ring_depth, copy_threads)
         strict_after_hooks = _agree(plan, pg, src_g, ctrl, rank)
         buckets, reads = _transfer(plan, pg, src_g, is_src, timeout, progress_seconds, t0)
         try:  # the source's copies of host memory may still run: the host does the rest meanwhile
@@ -195,31 +215,96 @@ def _control_device(pg: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def _walk_modules(model: nn.Module) -> tuple[dict[str, nn.Module], Any]:
-    """One walk the way state_dict() walks: the state-dict keys that hold a module's extra state, and the ids
+def _walk_modules(model: nn.Module) -> tuple[dict[str, nn.Module], Any, list]:
+    """One walk the way state_dict() walks: the state-dict keys that hold a module's extra state, the ids
     of the model's own parameters and buffers, a _C.IdSet (state_dict(keep_vars=True) returns those objects
-    themselves, unless a hook copied one)."""
+    themselves, unless a hook copied one), and the (prefix, module) of each module with load logic that may be
+    its own (load pre-hooks, or a _load_from_state_dict defined outside torch: _custom_load_logic judges)."""
     found = _C.load_walk(model, nn.Module.get_extra_state, _EXTRA)  # None: a module's state is not in dicts
     return found if found is not None else _walk_modules_py(model)
 
 
-def _walk_modules_py(model: nn.Module) -> tuple[dict[str, nn.Module], Any]:
+def _from_torch(fn: Any) -> bool:
+    """Whether a hook or method is torch's own (defined in the torch package)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)  # a bound method: its function
+    where = fn.__module__ if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)) else type(fn).__module__
+    return isinstance(where, str) and (where == "torch" or where.startswith("torch."))
+
+
+def _walk_modules_py(model: nn.Module) -> tuple[dict[str, nn.Module], Any, list]:
     """_walk_modules in Python, for modules whose dicts the C++ walk does not read."""
     base = nn.Module.get_extra_state
     extra: dict[str, nn.Module] = {}
     owned: set[int] = set()
+    custom: list = []
 
     def walk(m: nn.Module, prefix: str) -> None:
         owned.update(id(t) for t in m._parameters.values() if t is not None)
         owned.update(id(t) for t in m._buffers.values() if t is not None)
         if type(m).get_extra_state is not base:
             extra[prefix + _EXTRA] = m
+        if getattr(m, "_load_state_dict_pre_hooks", None) or not _from_torch(type(m)._load_from_state_dict):
+            custom.append((prefix, m))
         for name, child in m._modules.items():
             if child is not None:
                 walk(child, prefix + name + ".")
 
     walk(model, "")
-    return extra, _C.IdSet(owned)
+    return extra, _C.IdSet(owned), custom
+
+
+def _custom_load_logic(custom: list) -> tuple[list[str], list]:
+    """Load logic in these modules (from _walk_modules) that load_state_dict would run and a load through the
+    engine does not, as defined outside torch: the _load_from_state_dict overrides, worded per module (refused:
+    they may do anything with the values), and the load pre-hooks, (prefix, module, hook) each (for
+    _pre_hook_changes). Torch's own are served: FSDP2's resharding and checkpoint_wrapper's key prefix (whose
+    state_dict hooks the model's keys already reflect), batch norm's num_batches_tracked, and the compatibility
+    hooks of weight_norm, spectral_norm and lazy modules for checkpoints in older layouts (whose keys would not
+    match here)."""
+    overrides, hooks = [], []
+    for prefix, m in custom:
+        loader = type(m)._load_from_state_dict
+        if not _from_torch(loader):
+            overrides.append(f"{_module_words(prefix, m)} overrides _load_from_state_dict "
+                             f"({getattr(loader, '__qualname__', loader)})")
+        for hook in (getattr(m, "_load_state_dict_pre_hooks", None) or {}).values():
+            if not _from_torch(getattr(hook, "hook", hook)):  # torch wraps each hook (_WrappedHook) with its module
+                hooks.append((prefix, m, hook))
+    return overrides, hooks
+
+
+def _module_words(prefix: str, m: nn.Module) -> str:
+    return f"{repr(prefix[:-1]) if prefix else 'the root module'} ({type(m).__qualname__})"
+
+
+def _pre_hook_changes(hooks: list, sd: Mapping[str, Any], strict: bool) -> list[str]:
+    """On the source: the load pre-hooks (from _custom_load_logic) run as load_state_dict runs them, each on the
+    checkpoint's entries under its module's prefix; those that change a key or a value here (a legacy key
+    renamed, a value unpacked or transposed), or report an error, worded. Hooks that change nothing for this
+    checkpoint (the usual compatibility hooks, given a checkpoint in the current layout) need no running."""
+    found = []
+    metadata = getattr(sd, "_metadata", None) or {}
+    for prefix, m, hook in hooks:
+        local = {k: v for k, v in sd.items() if k.startswith(prefix)}
+        before = dict(local)
+        missing: list[str] = []
+        unexpected: list[str] = []
+        errors: list[str] = []
+        fn = getattr(hook, "hook", hook)
+        name = getattr(fn, "__qualname__", type(fn).__qualname__)
+        what = f"{_module_words(prefix, m)} has a load_state_dict pre-hook ({name})"
+        try:
+            hook(local, prefix, metadata.get(prefix[:-1], {}), strict, missing, unexpected, errors)
+        except Exception as e:
+            found.append(f"{what} that raised {type(e).__name__}: {e}")
+            continue
+        changed = sorted(set(local) ^ set(before)) or [k for k in before if local[k] is not before[k]]
+        if changed or errors or missing or unexpected:
+            detail = f"changed '{changed[0]}'" if changed else f"reported {(errors or missing or unexpected)[0]!r}"
+            found.append(f"{what} that {detail} for this checkpoint")
+    return found
 
 
 def _model_device(model_sd: Mapping[str, Any], extra: Mapping[str, nn.Module],
@@ -235,15 +320,12 @@ def _model_device(model_sd: Mapping[str, Any], extra: Mapping[str, nn.Module],
     backend = str(dist.get_backend(pg))
     if device.type == "cpu" and "gloo" not in backend:
         ctrl = _control_device(pg)
-        first = values[index] if index >= 0 else None
-        first = first._local_tensor if isinstance(first, DTensor) else first
-        if ctrl.type == "cuda" and first is not None and first.is_pinned():
-            # Host tensors in pinned memory (FSDP2's CPUOffloadPolicy): the bytes cross on the group's GPU and
-            # the scatter kernels write them there; load_dests refuses any that is not pinned.
+        if ctrl.type == "cuda":
+            # Host tensors (FSDP2's CPUOffloadPolicy) over a GPU group: the bytes cross on the group's GPU,
+            # and the load writes them into host memory from there (load_plan.cpp: pinned or pageable).
             return ctrl
-        where = f" ('{keys[index]}' is not pinned)" if first is not None else ""
-        raise ValueError(f"the model is in host memory{where} but the group's backend is {backend}: pin the "
-                         f"model's host tensors (FSDP2: CPUOffloadPolicy(pin_memory=True)) or use a gloo group")
+        raise ValueError(f"the model is in host memory ('{keys[index]}') but the group's backend is {backend}, "
+                         f"which has no host device to load through: use a gloo group")
     return device
 
 
