@@ -1,6 +1,8 @@
 #include "host_stage.h"
 
 #include <algorithm>
+#include <exception>
+#include <utility>
 
 #include "executor.h"
 
@@ -36,7 +38,7 @@ void HostStager::work() {
     while (next_ < tasks_) {
       const int64_t task = next_++;
       lock.unlock();
-      (*fn_)(task);
+      attempt(task);
       lock.lock();
       if (--pending_ == 0) done_.notify_all();
     }
@@ -58,12 +60,24 @@ void HostStager::run(int64_t tasks, const std::function<void(int64_t)>& fn) {
   while (next_ < tasks_) {  // the calling thread works too
     const int64_t task = next_++;
     lock.unlock();
-    fn(task);
+    attempt(task);
     lock.lock();
     --pending_;
   }
   done_.wait(lock, [&] { return pending_ == 0; });
   fn_ = nullptr;
+  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+}
+
+// A task that throws (a cast's allocation) must neither end a worker thread (std::terminate) nor leave the
+// others running on `fn_` after run() unwinds: the first error is kept and rethrown by run() once all are done.
+void HostStager::attempt(int64_t task) {
+  try {
+    (*fn_)(task);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    if (!error_) error_ = std::current_exception();
+  }
 }
 
 namespace {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <exception>
 #include <cstdint>
 #include <functional>
 #include <mutex>
@@ -33,6 +34,7 @@ class HostStager {
  private:
   void work();
   void run(int64_t tasks, const std::function<void(int64_t)>& fn);
+  void attempt(int64_t task);
 
   std::vector<std::thread> workers_;
   std::mutex mu_;
@@ -41,6 +43,8 @@ class HostStager {
   int64_t tasks_ = 0, next_ = 0, pending_ = 0;
   uint64_t generation_ = 0;
   bool stop_ = false;
+  std::mutex error_mu_;  // apart from mu_: a task's error is kept while mu_ is released
+  std::exception_ptr error_;
   std::vector<CopyOp> parts_;  // the runs of one stage() cut into about equal shares
   std::vector<ScatterOp> scatter_parts_;  // and of one scatter()
 };
