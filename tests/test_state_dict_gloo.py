@@ -715,7 +715,7 @@ def _custom_load_logic_body(rank: int, world_size: int) -> None:
     def refused(kind):
         m = nn.Sequential(nn.Linear(4, 4), _Doubled(4, 4) if kind == "override" else nn.Linear(4, 4))
         if kind == "pre_hook":
-            m[1].register_load_state_dict_pre_hook(_transpose_on_load)
+            m[1]._register_load_state_dict_pre_hook(_transpose_on_load, with_module=True)  # torch 2.4: no public one
         return m
 
     for make in (served, lambda: refused("override"), lambda: refused("pre_hook")):
