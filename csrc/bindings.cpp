@@ -4,6 +4,7 @@
 
 #include <c10/core/DeviceGuard.h>
 
+#include <atomic>
 #include <exception>
 #include <functional>
 #include <optional>
@@ -120,9 +121,12 @@ class PendingPlan {
           } catch (...) {
             error_ = std::current_exception();
           }
+          done_.store(true, std::memory_order_release);
         }) {}
   PendingPlan(const PendingPlan&) = delete;
   PendingPlan& operator=(const PendingPlan&) = delete;
+  // Whether result() would return at once.
+  bool done() const { return done_.load(std::memory_order_acquire); }
   ~PendingPlan() {  // one dropped unread: joined without the GIL, which the thread may take to let tensors go
     if (!thread_.joinable()) return;
     if (PyGILState_Check()) {
@@ -148,6 +152,7 @@ class PendingPlan {
  private:
   std::optional<Plan> plan_;
   std::exception_ptr error_;
+  std::atomic<bool> done_{false};
   std::thread thread_;  // last: it starts once the members it writes exist
 };
 
@@ -247,7 +252,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "A load's plan: checkpoint tensors (units: dtype, ndim, sizes) streamed into this rank's shards (dests); "
       "sources and dests are lists of tensors or TensorLists, whose tensors the plan takes (they are left empty)");
   py::class_<PendingPlan>(m, "PendingPlan", "A load plan being made on a thread of its own")
-      .def("result", &PendingPlan::result, "The plan, once made (waits for it)");
+      .def("result", &PendingPlan::result, "The plan, once made (waits for it)")
+      .def("done", &PendingPlan::done, "Whether the plan is made (result() returns at once)");
   m.def(
       "start_load_plan",
       [](const at::Tensor& units, const py::object& sources, const py::object& dests, const at::Tensor& dest_meta,
@@ -458,6 +464,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(csrc/post_hooks.h)");
   m.def("post_hooks_idle", &post_hooks_idle, py::arg("model"),
         "Whether every load_state_dict post-hook of the model and its children is idle_fsdp_hook");
+  py::class_<HookJudgment>(m, "HookJudgment", "post_hooks_idle in steps (the modules walked when made)")
+      .def(py::init<const py::handle&>(), py::arg("model"))
+      .def("step", &HookJudgment::step, py::arg("count"),
+           "Up to count more hooks judged: the verdict once known, else None")
+      .def("verdict", &HookJudgment::verdict, "The rest judged: whether every hook is idle_fsdp_hook");
   m.def(
       "describe_tensors",
       [](const py::handle& list, c10::Device device) {

@@ -7,13 +7,16 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <exception>
 #include <numeric>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "cast.h"
 #include "chunks.h"
+#include "host_memory.h"
 #include "plan.h"
 #include "units.h"
 
@@ -72,23 +75,16 @@ void add_pack_runs(Plan& plan, const Unit& u, const at::Tensor& t, int64_t index
   }
 }
 
-// Whether host tensor t is page-locked. Known without asking CUDA where its storage came from torch's
-// CPU allocator (no) or its pinned one (yes), by the deleter, checked once per process on a tensor of
-// each: is_pinned() asks CUDA, a few microseconds a tensor (an offloaded FSDP2 model of 16k parameters:
-// 70-80 ms of its load's planning on one H200).
-bool pinned_host(const at::Tensor& t) {
-  static const std::pair<c10::DeleterFnPtr, c10::DeleterFnPtr> known = [] {
-    const auto cpu = at::empty({1}, at::kByte);
-    const auto pin = at::empty({1}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-    const auto of = [](const at::Tensor& x) { return x.storage().data_ptr().get_deleter(); };
-    return of(cpu) == of(pin) ? std::make_pair(c10::DeleterFnPtr{}, c10::DeleterFnPtr{})
-                              : std::make_pair(of(cpu), of(pin));
-  }();
-  const auto deleter = t.storage().data_ptr().get_deleter();
-  if (deleter != nullptr && deleter == known.second) return true;
-  if (deleter != nullptr && deleter == known.first) return false;
-  return t.is_pinned();
-}
+// Below this many checkpoint tensors the source's pack pass runs on the planning thread itself.
+constexpr int64_t kPackThreadMin = 1024;
+
+// A thread joined when the scope ends, also by an exception.
+struct JoinOnExit {
+  std::thread thread;
+  ~JoinOnExit() {
+    if (thread.joinable()) thread.join();
+  }
+};
 
 int64_t ravel(const int64_t* idx, const Unit& u) {
   int64_t flat = 0;
@@ -132,12 +128,28 @@ Plan make_load_plan(
   run_bucket.reserve(sources.size());
   run_host.reserve(sources.size());
   const auto num_sources = static_cast<int64_t>(sources.size());
-  for (int64_t i = 0; i < num_sources; ++i) {
-    prefetch_ahead(sources.data(), i, num_sources);  // each tensor's first touch is a cache miss
-    auto& t = sources[i];
-    // A lazy conjugate or negative bit is not in the bytes: resolve it (a copy of that tensor alone).
-    if (t.defined() && (t.is_conj() || t.is_neg())) t = t.resolve_conj().resolve_neg();
-    if (units[i].nbytes > 0) add_pack_runs(plan, units[i], t, i, run_bucket, run_host, op_source, op_storage);
+  std::exception_ptr pack_error;
+  const auto pack_pass = [&] {
+    try {
+      for (int64_t i = 0; i < num_sources; ++i) {
+        prefetch_ahead(sources.data(), i, num_sources);  // each tensor's first touch is a cache miss
+        auto& t = sources[i];
+        // A lazy conjugate or negative bit is not in the bytes: resolve it (a copy of that tensor alone).
+        if (t.defined() && (t.is_conj() || t.is_neg())) t = t.resolve_conj().resolve_neg();
+        if (units[i].nbytes > 0) add_pack_runs(plan, units[i], t, i, run_bucket, run_host, op_source, op_storage);
+      }
+    } catch (...) {
+      pack_error = std::current_exception();
+    }
+  };
+  // The source's pack runs (its checkpoint tensors) and the scatter runs below (its destinations) read
+  // different objects, each pass mostly waiting on memory: on the source they run side by side, the
+  // pack pass on a thread of its own. They write different fields of the plan.
+  JoinOnExit packer;
+  if (num_sources >= kPackThreadMin) {
+    packer.thread = std::thread(pack_pass);
+  } else {
+    pack_pass();
   }
   for (const auto& u : units) plan.units_sent += u.nbytes > 0;
 
@@ -236,6 +248,8 @@ Plan make_load_plan(
       e = end;
     }
   }
+  if (packer.thread.joinable()) packer.thread.join();  // (a problem of the scatter pass: joined on the way out)
+  if (pack_error) std::rethrow_exception(pack_error);
   // Destinations come in the stream's order of their units, so pieces mostly are in bucket order already.
   const auto by_bucket = [](const Piece& a, const Piece& b) { return a.bucket < b.bucket; };
   if (!std::is_sorted(pieces.begin(), pieces.end(), by_bucket)) std::stable_sort(pieces.begin(), pieces.end(), by_bucket);

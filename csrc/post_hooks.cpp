@@ -7,10 +7,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include "chunks.h"
+#include "host_memory.h"
 #include "module_attrs.h"
 
 namespace coalesced_bcast {
@@ -92,7 +94,7 @@ bool judge(PyObject* m, PyObject* hook) {
       PyErr_Clear();
       return false;
     }
-    return !(pinned && !shard.is_pinned());
+    return !(pinned && !pinned_host(shard));  // where FSDP2 pins, its shard is torch's pinned memory
   } catch (const std::exception&) {  // a tensor without data this build can read
     return false;
   }
@@ -122,10 +124,11 @@ constexpr size_t kGroup = 16;
 // cold, and one chain at a time waits on memory at every hop (on the CPU
 // machine 1.6 us a hook that way, 0.9 us so). Then judge() itself, over
 // objects now in cache.
-bool all_judged_idle(const std::vector<std::pair<PyObject*, py::object>>& hooks) {
+// Hooks [begin, end).
+bool all_judged_idle(const std::vector<std::pair<PyObject*, py::object>>& hooks, size_t begin, size_t end) {
   const auto& nm = names();
-  for (size_t g0 = 0; g0 < hooks.size(); g0 += kGroup) {
-    const size_t g = std::min(kGroup, hooks.size() - g0);
+  for (size_t g0 = begin; g0 < end; g0 += kGroup) {
+    const size_t g = std::min(kGroup, end - g0);
     PyObject* obj[kGroup];
     py::object param[kGroup], data[kGroup], info[kGroup];
     for (size_t b = 0; b < g; ++b) prefetch_object(obj[b] = hooks[g0 + b].second.ptr());
@@ -171,9 +174,28 @@ bool idle_fsdp_hook(const py::handle& module, const py::handle& hook) {
   return judge(module.ptr(), hook.ptr());
 }
 
+HookJudgment::HookJudgment(const py::handle& model) {
+  if (!collect(model.ptr(), hooks_)) verdict_ = false;
+}
+
+std::optional<bool> HookJudgment::step(int64_t count) {
+  if (verdict_) return verdict_;
+  const size_t end = std::min(hooks_.size(), next_ + static_cast<size_t>(std::max<int64_t>(count, 1)));
+  if (!all_judged_idle(hooks_, next_, end)) {
+    verdict_ = false;
+  } else if ((next_ = end) == hooks_.size()) {
+    verdict_ = true;
+  }
+  if (verdict_) hooks_.clear();  // the hooks' references: let them go once judged
+  return verdict_;
+}
+
+bool HookJudgment::verdict() {
+  return *step(static_cast<int64_t>(hooks_.size()));
+}
+
 bool post_hooks_idle(const py::handle& model) {
-  std::vector<std::pair<PyObject*, py::object>> hooks;
-  return collect(model.ptr(), hooks) && all_judged_idle(hooks);
+  return HookJudgment(model).verdict();
 }
 
 }  // namespace coalesced_bcast

@@ -86,3 +86,45 @@ def test_threaded_unstage_writes_each_box(threads):
             got, w = got[~nan], w[~nan]
         assert torch.equal(got.view(bits.get(got.dtype, got.dtype)), w.view(bits.get(w.dtype, w.dtype))), \
             f"destination {i}"
+
+
+def test_source_plan_of_many_tensors_names_the_bad_one_from_either_pass():
+    """On the source, a plan of many tensors reads its checkpoint tensors (pack runs) and its destinations
+    (scatter runs) side by side: the same plan as one pass after the other would make, and a problem in
+    either raised as a Python error naming the tensor, never lost or ending the process."""
+    g = torch.Generator().manual_seed(0)
+    n = 1500  # above the count where the pack pass gets a thread of its own
+    sources = [torch.randn(int(k), generator=g) for k in torch.randint(1, 300, (n,), generator=g)]
+    units = torch.stack([_unit_row(t) for t in sources])
+    meta = torch.zeros((n, 9), dtype=torch.int64)
+    meta[:, 0] = torch.arange(n)
+    B = 4096
+
+    def plan(srcs, dests):
+        return _C.load_plan(units, list(srcs), list(dests), meta, B, 2, 0, 1, torch.device("cpu"))
+
+    dests = [torch.zeros_like(t) for t in sources]
+    full = plan(sources, dests)
+    receiver = plan([], [torch.zeros_like(t) for t in sources])
+    assert full.num_buckets == receiver.num_buckets > 100
+    assert full.num_units_sent == n and full.total_bytes == sum(t.numel() * 4 for t in sources)
+    stream = torch.zeros(full.num_buckets * B, dtype=torch.uint8)
+    offset = 0
+    for t in sources:
+        offset += -offset % 16
+        stream[offset:offset + t.numel() * 4] = t.view(torch.uint8)
+        offset += t.numel() * 4
+    assert torch.equal(_C._host_stage(sources, 2)[:offset], stream[:offset])  # what the source packs
+    _C._host_scatter(full, stream, 2)
+    assert all(torch.equal(d, s) for d, s in zip(dests, sources))
+
+    bad_source = list(sources)
+    bad_source[1400] = sources[1400].double()
+    with pytest.raises(ValueError, match="checkpoint tensor 1400 on source rank 0 is Double"):
+        plan(bad_source, [torch.zeros_like(t) for t in sources])
+    bad_dest = [torch.zeros_like(t) for t in sources]
+    bad_dest[1200] = torch.zeros(1, 1)
+    with pytest.raises(ValueError, match="destination 1200 on rank 0 has 2 dims"):
+        plan(sources, bad_dest)
+    with pytest.raises(ValueError, match="checkpoint tensor 1400|destination 1200"):  # both: one of them
+        plan(bad_source, bad_dest)

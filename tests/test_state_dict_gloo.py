@@ -320,6 +320,14 @@ def check_errors(rank: int, ws: int) -> None:
                  "the models differ")
 
 
+def _judged_in_steps(model: nn.Module, count: int, times: int) -> list:
+    """HookJudgment's answers, `count` hooks a step, `times` steps; then its verdict, which must be the last."""
+    judgment = coalesced_bcast._C.HookJudgment(model)
+    steps = [judgment.step(count) for _ in range(times)]
+    assert judgment.verdict() is steps[-1]
+    return steps
+
+
 def check_fsdp2(rank: int, ws: int) -> None:
     mesh = init_device_mesh("cpu", (ws,))
     vocab = ws * 4 + 1  # uneven rows, and with 3 ranks l2's 3 rows give one row each
@@ -337,8 +345,15 @@ def check_fsdp2(rank: int, ws: int) -> None:
     assert coalesced_bcast._C.post_hooks_idle(model)  # the one C++ walk that passes over them all
     handle = model.l2.register_load_state_dict_post_hook(lambda m, keys: None)  # not FSDP2's: must run
     assert not coalesced_bcast._C.post_hooks_idle(model)
+    steps = _judged_in_steps(model, 1, len(hooks) + 3)  # as while a GPU load's plan is made
+    first = steps.index(False)
+    assert steps == [None] * first + [False] * (len(steps) - first), steps
     handle.remove()
     assert coalesced_bcast._C.post_hooks_idle(model)
+    for count in (1, 3, len(hooks)):
+        steps = _judged_in_steps(model, count, len(hooks) // count + 2)
+        assert steps[-1] is True and steps.index(True) == (len(hooks) - 1) // count, (count, steps)
+        assert set(steps[:steps.index(True)]) <= {None}, (count, steps)
     # A parameter replaced since fully_shard (a new DTensor, its shard not in FSDP2's padded storage): its
     # hook runs, so FSDP2 takes the new parameter and re-pads its shard, holding the loaded values.
     w = model.l1.weight

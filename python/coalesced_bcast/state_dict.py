@@ -182,7 +182,7 @@ def load_full_state_dict(
                 for obj, mod in plan.extras:
                     mod.set_extra_state(obj)
                 # They may edit the lists, as load_state_dict's.
-                _run_post_hooks(model, plan.missing, plan.unexpected, None if plan.extras else plan.hooks_idle)
+                _run_post_hooks(model, plan.missing, plan.unexpected, None if plan.extras else plan.hooks)
             except Exception as e:
                 if not strict_after_hooks:
                     raise
@@ -496,7 +496,7 @@ class _Plan:
         self.tensors = 0  # distinct checkpoint tensors with bytes
         self.total = 0  # their bytes
         self.core = None  # the engine's plan (_C.start_load_plan(...).result())
-        self.hooks_idle: Optional[bool] = None  # whether every post-hook is idle, judged while the plan was made
+        self.hooks: Any = None  # a _C.HookJudgment of the post-hooks, begun while the plan was made
         self.ring_bytes = 0
         self.host_ring_bytes = 0
 
@@ -560,13 +560,19 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
         copy_threads = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     pending = _C.start_load_plan(units_t, sources, local, meta_t, bucket_bytes, ring_depth, rank,
                                  max(1, int(copy_threads)), device)
-    # Meanwhile, on a CPU model, whether FSDP2's post-hooks would all do nothing after the in-place writes (the
-    # Python objects they read, under the GIL, while the plan is made beside): the writes change no object a
-    # hook reads, set_extra_state (plan.extras) may. On a GPU they are judged after the transfer is queued
-    # (_run_post_hooks), beside the copies, which outlast the judgment: one H200, MoE load of 1,651 keys from
-    # pinned memory, median 196.0 against 200.6 ms judged here (16k keys: 85.8 either way).
-    if not plan.extras and not _run_all_post_hooks() and not _judge_hooks_after_transfer(device):
-        plan.hooks_idle = _C.post_hooks_idle(model)
+    # Meanwhile, whether FSDP2's post-hooks would all do nothing after the in-place writes (the Python objects
+    # they read, under the GIL, while the plan is made beside): the writes change no object a hook reads,
+    # set_extra_state (plan.extras) may. On a CPU model all of them here; on a GPU until the plan is made, the
+    # rest after the transfer is queued (_run_post_hooks), beside the copies: judged here in full, one H200,
+    # MoE load of 1,651 keys from pinned memory, median 200.6 ms against 196.0 judged after (16k keys: 85.8
+    # either way), while a load from rank 0's GPU, whose copies are short, waited for them after.
+    if not plan.extras and not _run_all_post_hooks():
+        plan.hooks = _C.HookJudgment(model)
+        if _judge_hooks_after_transfer(device):
+            while not pending.done() and plan.hooks.step(_HOOKS_PER_STEP) is None:
+                pass
+        else:
+            plan.hooks.verdict()
     plan.core = pending.result()
     plan.tensors, plan.total = plan.core.num_units_sent, plan.core.total_bytes
 
@@ -823,19 +829,23 @@ def _judge_hooks_after_transfer(device: torch.device) -> bool:
     return where == "transfer" if where in ("plan", "transfer") else device.type == "cuda"
 
 
+_HOOKS_PER_STEP = 256  # post-hooks judged between looks at whether the plan is made (~0.2 ms on one H200)
+
+
 def _run_all_post_hooks() -> bool:
     return os.environ.get("COALESCED_BCAST_RUN_ALL_POST_HOOKS") == "1"  # the bench's A/B switch
 
 
-def _run_post_hooks(model: nn.Module, missing: list[str], unexpected: list[str],
-                    all_idle: Optional[bool] = None) -> None:
+def _run_post_hooks(model: nn.Module, missing: list[str], unexpected: list[str], judgment: Any = None) -> None:
     """load_state_dict's post-hooks, in its order (children first), but for FSDP2's that would do nothing
     after the in-place writes (csrc/post_hooks.h). Where every hook is such, none runs (one C++ walk);
-    else each is judged when its turn comes (an earlier hook may have replaced its parameter). all_idle: that walk's
-    verdict where it was already made (_plan_keys), so that it does not run twice."""
+    else each is judged when its turn comes (an earlier hook may have replaced its parameter). judgment: that
+    walk, begun while the plan was made (_plan_keys), so that it does not run twice."""
     from torch.nn.modules.module import _IncompatibleKeys
     run_all = _run_all_post_hooks()
-    if all_idle is None:  # not judged while planning (or set_extra_state ran since)
+    if judgment is not None:
+        all_idle = judgment.verdict()
+    else:  # not begun while planning (or set_extra_state ran since)
         all_idle = not run_all and _C.post_hooks_idle(model)
     if all_idle:
         return
