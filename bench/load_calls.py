@@ -1,0 +1,82 @@
+"""Where a 16k-key FSDP2 load's host time goes, by the engine's calls: each load's phases (state_dict.py's
+functions) beside the time of each _C call made in them (load_dests, the plan's wait, the post-hooks'
+judgment, describe_tensors), then each of those alone on warm objects, and a 1 GiB pinned host-to-device copy (the
+load's floor). Rank 0's state pinned on its CPU (on a GPU).
+
+    python3 -m torch.distributed.run --standalone --nproc-per-node 1 bench/load_calls.py
+"""
+import os, sys, time, torch, torch.distributed as dist, torch.nn as nn
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dist_setup, profile_load
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+import coalesced_bcast
+from coalesced_bcast import state_dict as S, _C
+device = dist_setup.init()
+cuda = device.type == "cuda"
+mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+sizes = torch.randint(256, 65536, (16384,), generator=torch.Generator().manual_seed(0)).tolist()
+with torch.device("meta"):
+    model = nn.ParameterList([nn.Parameter(torch.empty(n)) for n in sizes]).to(torch.bfloat16)
+fully_shard(model, mesh=mesh)
+model.to_empty(device=device)
+sd = {k: torch.zeros(v.shape, dtype=torch.bfloat16, pin_memory=cuda) for k, v in model.state_dict().items()}
+spent = {}
+cap = {}
+class P:  # _C with each call timed
+    def __getattr__(self, name):
+        f = getattr(_C, name)
+        if name == "HookJudgment":  # its steps and verdict, timed
+            def judgment(model):
+                j = f(model)
+                class J:
+                    def step(self_, n):
+                        t1 = time.perf_counter(); x = j.step(n); spent["hooks.step"] = spent.get("hooks.step", 0) + time.perf_counter() - t1; return x
+                    def verdict(self_):
+                        t1 = time.perf_counter(); x = j.verdict(); spent["hooks.verdict"] = spent.get("hooks.verdict", 0) + time.perf_counter() - t1; return x
+                return J()
+            return judgment
+        if not callable(f) or isinstance(f, type): return f
+        def run(*a, **k):
+            if name in ("start_load_plan", "load_dests"): cap[name] = a
+            t0 = time.perf_counter()
+            r = f(*a, **k)
+            if name == "start_load_plan":
+                r0 = r
+                class W:
+                    def done(self_):
+                        return r0.done()
+                    def result(self_):
+                        t1 = time.perf_counter(); x = r0.result(); spent["plan.result_wait"] = spent.get("plan.result_wait", 0) + time.perf_counter() - t1; return x
+                r = W()
+            spent[name] = spent.get(name, 0) + time.perf_counter() - t0
+            return r
+        return run
+def sync():
+    if cuda: torch.cuda.synchronize()
+S._C = P()
+for i in range(6):
+    spent.clear()
+    with profile_load.phase_timers() as ph:
+        sync(); t0 = time.perf_counter()
+        coalesced_bcast.load_full_state_dict(model, sd)
+        sync(); w = time.perf_counter() - t0
+    print(f"load {i}: {w*1e3:.1f} ms | " + " ".join(f"{k}={v*1e3:.1f}" for k, v in ph.items()) + " | " + " ".join(f"{k}={v*1e3:.1f}" for k, v in sorted(spent.items(), key=lambda x: -x[1])), flush=True)
+S._C = _C
+def tm(fn, n=5):
+    best = 1e9
+    for _ in range(n):
+        sync(); t0 = time.perf_counter(); fn(); sync(); best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+print(f"model.state_dict(): {tm(lambda: model.state_dict()):.1f} ms")
+print(f"load_dests alone: {tm(lambda: _C.load_dests(*cap['load_dests'])):.1f} ms")
+def plan_once():
+    r = _C.load_dests(*cap["load_dests"]); a = list(cap["start_load_plan"]); a[2] = r[0]; a[3] = r[1]; a[0] = r[2]
+    t0 = time.perf_counter(); _C.start_load_plan(*a).result(); return time.perf_counter() - t0
+print(f"plan alone: {min(plan_once() for _ in range(5))*1e3:.1f} ms")
+print(f"post_hooks_idle alone: {tm(lambda: _C.post_hooks_idle(model)):.1f} ms")
+if cuda:
+    src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True); dst = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    ms = tm(lambda: dst.copy_(src, non_blocking=True))
+    print(f"H2D 1 GiB pinned: {ms:.1f} ms, {1.073741824/ms*1e3:.1f} GB/s")
+dist.destroy_process_group()
