@@ -21,40 +21,51 @@ with torch.device("meta"):
 fully_shard(model, mesh=mesh)
 model.to_empty(device=device)
 sd = {k: torch.zeros(v.shape, dtype=torch.bfloat16, pin_memory=cuda) for k, v in model.state_dict().items()}
-spent = {}
-cap = {}
-class P:  # _C with each call timed
+spent: dict = {}  # seconds per _C call (or method of what one returned), summed over a load
+cap: dict = {}  # the arguments of load_dests and start_load_plan, to call them again alone
+
+
+def timed(key, fn):
+    """fn, its wall time added to spent[key] at each call."""
+    def run(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
+    return run
+
+
+class Timed:
+    """obj with the methods named in `keys` timed under their key, the rest passed through."""
+    def __init__(self, obj, keys):
+        self._obj, self._keys = obj, keys
+
+    def __getattr__(self, name):
+        f = getattr(self._obj, name)
+        return timed(self._keys[name], f) if name in self._keys else f
+
+
+class TimedC:
+    """_C with each function timed; the plan's wait and the post-hooks' judgment by their methods."""
     def __getattr__(self, name):
         f = getattr(_C, name)
-        if name == "HookJudgment":  # its steps and verdict, timed
-            def judgment(model):
-                j = f(model)
-                class J:
-                    def step(self_, n):
-                        t1 = time.perf_counter(); x = j.step(n); spent["hooks.step"] = spent.get("hooks.step", 0) + time.perf_counter() - t1; return x
-                    def verdict(self_):
-                        t1 = time.perf_counter(); x = j.verdict(); spent["hooks.verdict"] = spent.get("hooks.verdict", 0) + time.perf_counter() - t1; return x
-                return J()
-            return judgment
-        if not callable(f) or isinstance(f, type): return f
-        def run(*a, **k):
-            if name in ("start_load_plan", "load_dests"): cap[name] = a
-            t0 = time.perf_counter()
-            r = f(*a, **k)
-            if name == "start_load_plan":
-                r0 = r
-                class W:
-                    def done(self_):
-                        return r0.done()
-                    def result(self_):
-                        t1 = time.perf_counter(); x = r0.result(); spent["plan.result_wait"] = spent.get("plan.result_wait", 0) + time.perf_counter() - t1; return x
-                r = W()
-            spent[name] = spent.get(name, 0) + time.perf_counter() - t0
-            return r
+        if name == "HookJudgment":
+            return lambda model: Timed(f(model), {"step": "hooks.step", "verdict": "hooks.verdict"})
+        if not callable(f) or isinstance(f, type):
+            return f
+
+        def run(*a, **kw):
+            if name in ("start_load_plan", "load_dests"):
+                cap[name] = a
+            r = timed(name, f)(*a, **kw)
+            return Timed(r, {"result": "plan.result_wait"}) if name == "start_load_plan" else r
         return run
+
+
 def sync():
     if cuda: torch.cuda.synchronize()
-S._C = P()
+S._C = TimedC()
 for i in range(6):
     spent.clear()
     with profile_load.phase_timers() as ph:
