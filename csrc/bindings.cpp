@@ -425,7 +425,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("module_slots", &module_slots, py::arg("module"), py::arg("include_buffers"), py::arg("dedupe"),
         "(owners, keys, tensors) of a module's parameters (and buffers) in named_parameters() order, or None "
         "where a module's dicts are not dicts (csrc/module_walk.h)");
-  py::class_<IdSet>(m, "IdSet", "ids of objects (csrc/id_set.h): a load's parameters and buffers")
+  py::class_<IdSet>(m, "IdSet", "ids of objects (csrc/id_table.h): a load's parameters and buffers")
       .def(py::init([](const py::iterable& ids) {
              IdSet s;
              for (const auto& id : ids) s.add(id.cast<uintptr_t>());

@@ -18,7 +18,7 @@ class CpuExecutor final : public Executor {
   explicit CpuExecutor(const Plan& plan) : plan_(plan) {}
   void pack(int64_t bucket, at::Tensor slot) override {
     const auto& b = plan_.buckets[bucket];
-    if (plan_.is_load) return stager().stage(plan_.ops.data() + b.first_op, b.num_ops, plan_.layouts, slot.data_ptr<uint8_t>());
+    if (plan_.is_load) return stager_.stage(plan_.ops.data() + b.first_op, b.num_ops, plan_.layouts, slot.data_ptr<uint8_t>());
     copy_bucket_cpu(plan_, bucket, slot.data_ptr<uint8_t>(), /*pack=*/true);
   }
   void unpack(int64_t bucket, at::Tensor slot) override {
@@ -28,7 +28,7 @@ class CpuExecutor final : public Executor {
     if (which == Runs::kScatter) {
       const auto& b = plan_.buckets[bucket];
       if (plan_.is_load && dst_base == 0) {
-        return stager().scatter(plan_.scatter.data() + b.first_scatter, b.num_scatter, plan_.boxes,
+        return stager_.scatter(plan_.scatter.data() + b.first_scatter, b.num_scatter, plan_.boxes,
                                 reinterpret_cast<const uint8_t*>(src_base));
       }
       copy_cast_runs_cpu(plan_.scatter.data() + b.first_scatter, b.num_scatter, plan_.boxes, src_base, dst_base);
@@ -39,13 +39,8 @@ class CpuExecutor final : public Executor {
   }
 
  private:
-  HostStager& stager() {
-    if (!stager_) stager_ = std::make_unique<HostStager>(plan_.options.copy_threads);
-    return *stager_;
-  }
-
   const Plan& plan_;
-  std::unique_ptr<HostStager> stager_;
+  HostStager stager_{plan_.options.copy_threads};
 };
 
 }  // namespace

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "executor.h"
+#include "host_memory.h"
 #include "host_stage.h"
 #include "host_wait.h"
 #include "pack_cuda.h"
@@ -292,14 +293,15 @@ class CudaExecutor final : public Executor {
     return yes;
   }
 
-  // The deleter of the memory torch's pinned allocator hands out, where that memory is mapped at its
-  // own address (checked once, on a block of it; the allocator's mode is fixed for the process); else
-  // null.
+  // torch's pinned allocator's deleter (host_memory.h), where the memory it hands out is mapped at its
+  // own address, as the copy kernel's reads over the bus need (checked once, on a block of it: the
+  // allocator's mode is fixed for the process); else null.
   static c10::DeleterFnPtr torch_pinned_deleter() {
-    static const c10::DeleterFnPtr deleter = [] {
+    static const c10::DeleterFnPtr deleter = []() -> c10::DeleterFnPtr {
+      const auto pinned = host_deleters().pinned;
+      if (pinned == nullptr) return nullptr;
       const auto probe = at::empty({kAlign}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-      const auto& data = probe.storage().data_ptr();
-      return mapped_host(reinterpret_cast<uint64_t>(data.get())) ? data.get_deleter() : nullptr;
+      return mapped_host(reinterpret_cast<uint64_t>(probe.data_ptr())) ? pinned : nullptr;
     }();
     return deleter;
   }
@@ -394,7 +396,7 @@ class CudaExecutor final : public Executor {
                   "deadline, as the copies before it wait for broadcasts that did not finish (a rank stalled, died "
                   "or called another collective)");
     }
-    stager().stage(staged_.data(), static_cast<int64_t>(staged_.size()), plan_.layouts, host);
+    stager_.stage(staged_.data(), static_cast<int64_t>(staged_.size()), plan_.layouts, host);
     // Up in spans of runs that are back to back but for alignment padding (under kAlign bytes):
     // a wider gap holds a run copied another way (straight from pinned memory, or packed on the
     // device), which a joined span would overwrite.
@@ -413,11 +415,6 @@ class CudaExecutor final : public Executor {
     host_free_[s].record(copy_);
     host_used_[s] = true;
   }
-  HostStager& stager() {
-    if (!stager_) stager_ = std::make_unique<HostStager>(plan_.options.copy_threads);
-    return *stager_;
-  }
-
   // Bucket k's runs into pageable host memory: its bytes (the span those runs read) come down into a
   // pinned host slot on `lane`, and are written out by the host once that copy is done, at the latest
   // when the slot is needed again (a later bucket's unstage) or at the end.
@@ -453,7 +450,7 @@ class CudaExecutor final : public Executor {
                     "stalled, died or called another collective)");
       }
       const auto& b = plan_.buckets[u.bucket];
-      stager().scatter(plan_.scatter.data() + b.first_scatter + b.num_scatter - b.num_scatter_host,
+      stager_.scatter(plan_.scatter.data() + b.first_scatter + b.num_scatter - b.num_scatter_host,
                        b.num_scatter_host, plan_.boxes, u.slot);
       unstaged_.pop_front();
     }
@@ -555,7 +552,7 @@ class CudaExecutor final : public Executor {
   at::Tensor host_ring_;
   std::vector<at::cuda::CUDAEvent> host_free_;
   std::vector<bool> host_used_;
-  std::unique_ptr<HostStager> stager_;  // the host's threads: the host stage, the unstaging
+  HostStager stager_{plan_.options.copy_threads};  // the host's threads: the host stage, the unstaging
   // Pageable destinations: the pinned ring their buckets come down into, and the buckets copied down
   // but not yet written out (oldest first), each with its slot and the event of its copy.
   struct Unstaged {

@@ -15,9 +15,7 @@ constexpr int64_t kMinShare = 1 << 20;
 
 }  // namespace
 
-HostStager::HostStager(int64_t threads) {
-  for (int64_t i = 1; i < threads; ++i) workers_.emplace_back([this] { work(); });
-}
+HostStager::HostStager(int64_t threads) : threads_(threads) {}
 
 HostStager::~HostStager() {
   {
@@ -46,10 +44,12 @@ void HostStager::work() {
 }
 
 void HostStager::run(int64_t tasks, const std::function<void(int64_t)>& fn) {
-  if (workers_.empty() || tasks <= 1) {
+  if (threads_ <= 1 || tasks <= 1) {
     for (int64_t t = 0; t < tasks; ++t) fn(t);
     return;
   }
+  // Started at the first work that is shared out: most executors never stage.
+  while (static_cast<int64_t>(workers_.size()) + 1 < threads_) workers_.emplace_back([this] { work(); });
   std::unique_lock<std::mutex> lock(mu_);
   fn_ = &fn;
   tasks_ = tasks;

@@ -17,6 +17,8 @@
 
 namespace coalesced_bcast {
 
+// Its threads (threads - 1 beside the caller's) start at the first stage() or
+// scatter() that shares work out, so an executor that never stages pays nothing.
 class HostStager {
  public:
   explicit HostStager(int64_t threads);
@@ -36,6 +38,7 @@ class HostStager {
   void run(int64_t tasks, const std::function<void(int64_t)>& fn);
   void attempt(int64_t task);
 
+  int64_t threads_;
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::condition_variable wake_, done_;

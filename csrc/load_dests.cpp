@@ -75,35 +75,6 @@ int64_t shard_dim(const py::object& p) {
   return attr(p, "dim").cast<int64_t>();
 }
 
-// Each value's destination by its object, open addressing in one allocation:
-// a std::unordered_map allocates a node per value (at 16k values on the CPU
-// machine the pass took 28 ms with one, 13 ms with this).
-class DestIndex {
- public:
-  explicit DestIndex(int64_t n) {
-    size_t cap = 16;
-    while (cap < 2 * static_cast<size_t>(n)) cap <<= 1;
-    slots_.assign(cap, {nullptr, 0});
-    mask_ = cap - 1;
-  }
-  // (the index stored for key, false), or (fresh, true) having stored it.
-  std::pair<size_t, bool> find_or_add(PyObject* key, size_t fresh) {
-    size_t h = (reinterpret_cast<uintptr_t>(key) * 0x9E3779B97F4A7C15ull) >> 20;
-    for (;; ++h) {
-      auto& slot = slots_[h & mask_];
-      if (slot.first == key) return {slot.second, false};
-      if (slot.first == nullptr) {
-        slot = {key, fresh};
-        return {fresh, true};
-      }
-    }
-  }
-
- private:
-  std::vector<std::pair<PyObject*, size_t>> slots_;
-  size_t mask_ = 0;
-};
-
 // What a value's Python objects say, read in stages (below).
 struct ValueFacts {
   bool tensor = false;   // a torch.Tensor (else extra state or a hook's object)
@@ -261,7 +232,7 @@ py::tuple load_dests(
 
   std::vector<at::Tensor> locals;
   std::vector<std::array<int64_t, 1 + kMaxDims>> meta;
-  DestIndex dest_of(n);  // a value named by two keys: one destination
+  IdTable<size_t> dest_of(n);  // a value named by two keys: one destination
   std::vector<int64_t> unit_of_row(R, -1), unit_rows;
   locals.reserve(n);
   meta.reserve(n);
@@ -400,7 +371,7 @@ py::tuple load_dests(
         problem(i, s.str());
         continue;
       }
-      auto [dest, fresh] = dest_of.find_or_add(v, locals.size());
+      auto [dest, fresh] = dest_of.find_or_add(reinterpret_cast<uintptr_t>(v), locals.size());
       if (fresh) {
         locals.push_back(local);
         meta.push_back(m);

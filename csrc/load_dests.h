@@ -8,7 +8,7 @@
 
 #include <optional>
 
-#include "id_set.h"
+#include "id_table.h"
 
 namespace coalesced_bcast {
 

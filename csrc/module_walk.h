@@ -7,7 +7,7 @@
 
 #include <torch/extension.h>
 
-#include "id_set.h"
+#include "id_table.h"
 
 namespace coalesced_bcast {
 
