@@ -45,6 +45,12 @@ struct CopyOp {
 // relative to a base given at launch (Executor::copy_runs): a trainer shard
 // into its chunk or the slot (source: the shard's address, base 0), a
 // gathered chunk into the slot.
+// ScatterOp::box of a contiguous destination, and of a 0-dim one: torch's CPU copy_ casts a 0-dim
+// tensor by its scalar conversion and any other by its vectorized one, and they differ in NaN
+// encodings (float32 NaN -> bfloat16 0x7FC0 against 0xFFFF; a float16 signaling NaN into float32).
+constexpr int32_t kWhole = -1;
+constexpr int32_t kScalar = -2;
+
 struct ScatterOp {
   uint64_t dst_ptr;       // the destination's first element (its local tensor)
   int64_t first;          // first element: an index into the destination (box < 0) or
@@ -52,7 +58,7 @@ struct ScatterOp {
   int64_t bucket_offset;  // byte offset of that element in the bucket
   int64_t count;          // elements
   int64_t first_chunk;    // chunks of the bucket's runs before this one
-  int32_t box;            // -1: the destination is contiguous; else an index into the boxes
+  int32_t box;            // kWhole or kScalar: the destination is contiguous; else an index into the boxes
   int8_t src_type;        // c10::ScalarType of the bucket's bytes (the checkpoint's)
   int8_t dst_type;        // and of the destination
   int8_t src_size;

@@ -348,7 +348,10 @@ py::tuple load_dests(
           std::copy(lo.begin(), lo.end(), m.begin() + 1);
           std::copy(box_shape.begin(), box_shape.end(), shape_buf.begin());
         }
-        if (!local.sizes().equals(local_shape)) {
+        // A box of no elements takes no bytes whatever its shape: FSDP2 gives a (1, 0) parameter's rank 0 a
+        // (0, 0) shard where Shard(0) splits it as (1, 0).
+        const bool empty_both = local.numel() == 0 && c10::multiply_integers(local_shape) == 0;
+        if (!local.sizes().equals(local_shape) && !empty_both) {
           problem(i, key + ": rank " + std::to_string(rank) + " holds a local shard of shape " +
                          tuple_str(local.sizes()) + ", but its placements " + py_str(placements) +
                          " on a mesh of shape " + py_str(py::tuple(mesh.attr("shape"))) + " give " +

@@ -218,7 +218,7 @@ Plan make_load_plan(
       last_idx[d] = box.hi[d] - 1;
     }
     const int64_t e0 = ravel(lo_idx, u), e1 = ravel(last_idx, u) + 1;
-    int32_t box_index = -1;
+    int32_t box_index = u.ndim == 0 ? kScalar : kWhole;
     if (!flat) {
       plan.boxes.push_back(box);
       box_index = static_cast<int32_t>(plan.boxes.size() - 1);
@@ -429,7 +429,7 @@ void validate_load_table(const Plan& plan) {
     for (int64_t i = b.first_scatter; i < b.first_scatter + b.num_scatter; ++i) {
       const auto& op = plan.scatter[i];
       TORCH_CHECK(op.count > 0 && op.bucket_offset >= 0 && op.bucket_offset + op.count * op.src_size <= b.nbytes &&
-                      op.box >= -1 && op.box < static_cast<int32_t>(plan.boxes.size()),
+                      op.box >= kScalar && op.box < static_cast<int32_t>(plan.boxes.size()),
                   "scatter run ", i, " of bucket ", k, " misplaced: ", op.bucket_offset, "+", op.count, "x",
                   static_cast<int>(op.src_size), " of ", b.nbytes);
     }

@@ -74,9 +74,12 @@ void copy_cast_runs_cpu(const ScatterOp* ops, int64_t count, const std::vector<B
       // Casts go through torch's own CPU copy, so that they give what load_state_dict's copy_ gives
       // bit for bit (its vectorized float->bfloat16 maps every NaN to 0xFFFF; c10's scalar
       // conversion, which the CUDA kernel shares with torch's CUDA copy, to 0x7FC0).
-      const auto from = at::from_blob(const_cast<uint8_t*>(src), {op.count},
+      // A 0-dim destination as a 0-dim tensor (kScalar in copy_table.h), as load_state_dict copies it.
+      const int64_t n = op.count;
+      const auto shape = op.box == kScalar ? c10::IntArrayRef() : c10::IntArrayRef(n);
+      const auto from = at::from_blob(const_cast<uint8_t*>(src), shape,
                                       at::TensorOptions().dtype(static_cast<c10::ScalarType>(op.src_type)));
-      converted = at::empty({op.count}, at::TensorOptions().dtype(static_cast<c10::ScalarType>(op.dst_type)));
+      converted = at::empty(shape, at::TensorOptions().dtype(static_cast<c10::ScalarType>(op.dst_type)));
       converted.copy_(from);
       src = static_cast<const uint8_t*>(converted.data_ptr());
     }

@@ -134,7 +134,7 @@ Plan make_refit_plan(
         const int64_t count = end - e, slot_off = pos - k * B;
         ScatterOp op{};
         op.count = count;
-        op.box = -1;
+        op.box = kWhole;
         op.dst_type = static_cast<int8_t>(u.dtype);
         op.dst_size = static_cast<int8_t>(u.elem_size);
         int64_t chunk_off = 0;

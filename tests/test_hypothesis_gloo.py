@@ -1,20 +1,16 @@
 """200 random models, drawn by hypothesis, synced over gloo in ONE 2-rank process group, bitwise.
 
-Rank 0 draws each example and sends its spec to rank 1 (broadcast_object_list); both build the model
-(the source with the real values, the receiver with poison), sync, compare bit patterns against the
-source's values, and agree on the verdict (all_reduce MIN) so that hypothesis on rank 0 sees a failure
-on either rank and can shrink it. A final None tells rank 1 to stop.
+Each example runs on both ranks (ranked_hypothesis.py): each builds the model (the source with the real
+values, the receiver with poison), syncs and compares bit patterns against the source's values.
 """
 import gc
-import os
 
 import torch
-import torch.distributed as dist
-from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import coalesced_bcast
 from dist_utils import run_ranks
+from ranked_hypothesis import examples_on_ranks
 from zoo import DTYPES, fill_random_bytes, same_bits
 
 EXAMPLES = 200
@@ -95,39 +91,14 @@ def run_example(rank: int, spec) -> bool:
     return all(same_bits(a, b) for a, b in zip(tensors, expected))
 
 
+# Found by this test: one float64 element at stride 2 is contiguous by torch's rules but cannot be viewed as
+# bytes with view(-1).view(uint8); sent in place it must still arrive.
+FOUND = [{"entries": [("strided", 0, (1,), 0)], "src": 0, "seed": 0, "options": dict(
+    bucket_bytes=4096, ring_depth=1, inplace_min_bytes=0, coalesce_bytes=0, verify=False)}]
+
+
 def _body_checks(rank, world_size, out_dir, examples=EXAMPLES):
-    if rank == 0:
-        count = [0]
-
-        @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
-        @given(spec=specs())
-        # Found by this test: one float64 element at stride 2 is contiguous by torch's rules but cannot be
-        # viewed as bytes with view(-1).view(uint8); sent in place it must still arrive.
-        @example(spec={"entries": [("strided", 0, (1,), 0)], "src": 0, "seed": 0, "options": dict(
-            bucket_bytes=4096, ring_depth=1, inplace_min_bytes=0, coalesce_bytes=0, verify=False)})
-        def check(spec):
-            count[0] += 1
-            dist.broadcast_object_list([spec], src=0)
-            verdict = torch.tensor([int(run_example(0, spec))])
-            dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
-            assert verdict.item() == 1, f"not bitwise on some rank: {spec}"
-
-        try:
-            check()
-        finally:
-            dist.broadcast_object_list([None], src=0)
-        assert count[0] >= examples, count[0]
-        with open(os.path.join(out_dir, "count"), "w") as f:
-            f.write(str(count[0]))
-        return
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
-            return
-        verdict = torch.tensor([int(run_example(rank, box[0]))])
-        dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+    examples_on_ranks(rank, specs(), lambda spec: run_example(rank, spec), examples, out_dir, explicit=FOUND)
 
 
 def _body(rank, world_size, out_dir, examples=EXAMPLES):

@@ -489,6 +489,11 @@ class Casts(nn.Module):
         self.w = nn.Parameter(torch.zeros(3, 70, dtype=torch.float32))
         self.h = nn.Parameter(torch.zeros(300, dtype=torch.bfloat16))
         self.c = nn.Parameter(torch.zeros(2, dtype=torch.complex128))
+        # Torch's CPU copy_ casts a 0-dim tensor by its scalar conversion, others by its vectorized one: NaN
+        # encodings differ (float32 NaN into bfloat16: 0x7FC0 against 0xFFFF; float16 signaling NaN into float32).
+        self.s0 = nn.Parameter(torch.zeros((), dtype=torch.bfloat16))
+        self.s1 = nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))
+        self.f0 = nn.Parameter(torch.zeros((), dtype=torch.float32))
 
 
 def _casts_body(rank: int, ws: int) -> None:
@@ -501,13 +506,16 @@ def _casts_body(rank: int, ws: int) -> None:
           "c": torch.randn(2, dtype=torch.complex128, generator=g)}
     fill_random_bytes(sd["w"], g)
     fill_random_bytes(sd["h"], g)
+    snan32 = torch.tensor([0x7FBA1234], dtype=torch.int32).view(torch.float32)
+    sd.update(s0=snan32[0].clone(), s1=snan32.clone(),
+              f0=torch.tensor([0x7C01], dtype=torch.int16).view(torch.float16)[0].clone())
     model = Casts()
     stats = load_full_state_dict(model, sd if rank == 0 else None, bucket_bytes=4096)
     ref = Casts()
     ref.load_state_dict(sd)
-    for k in ("i64", "flag", "w", "h", "c"):
+    for k in ("i64", "flag", "w", "h", "c", "s0", "s1", "f0"):
         assert same_bits(getattr(model, k), getattr(ref, k)), f"'{k}' differs from load_state_dict on rank {rank}"
-    assert stats.cast_keys == 4, stats
+    assert stats.cast_keys == 7, stats
     bad = dict(sd, c=sd["c"].to(torch.complex64))
     before = snapshot(model)
     expect_error(lambda: load_full_state_dict(model, bad if rank == 0 else None, bucket_bytes=4096),
