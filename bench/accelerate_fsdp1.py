@@ -25,6 +25,9 @@ def main() -> None:
     ap.add_argument("--mode", choices=("install", "torch"), required=True)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    # FSDP1 takes a meta module's compute device from the current one and refuses it where it is not
+    # accelerate's device_id (rank 1: cuda:0 against cuda:1), with or without install().
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     import coalesced_bcast
     if args.mode == "install":
         coalesced_bcast.install()

@@ -365,7 +365,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "_host_stage",
       [](const std::vector<at::Tensor>& tensors, int64_t threads) {
         // Test hook: the host stage's threaded pack of `tensors` (CPU, any strides) back to back
-        // (16-byte aligned) into one buffer, as a load's source packs a bucket.
+        // (16-byte aligned) into one buffer, as a load's source packs a bucket; and the shares it
+        // was cut into.
         std::vector<CopyOp> ops;
         std::vector<Layout> layouts;
         int64_t offset = 0;
@@ -387,7 +388,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         auto bucket = at::zeros({offset}, at::kByte);
         HostStager stager(threads);
         stager.stage(ops.data(), static_cast<int64_t>(ops.size()), layouts, bucket.data_ptr<uint8_t>());
-        return bucket;
+        return std::make_tuple(bucket, stager.last_shares());
       },
       py::arg("tensors"), py::arg("threads"), py::call_guard<py::gil_scoped_release>());
   m.def(
@@ -395,18 +396,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](const Plan& plan, const at::Tensor& stream, int64_t threads) {
         // Test hook: a load plan's scatter runs written out by the host stage's threads, bucket k read
         // from byte k * bucket_bytes of `stream` (the checkpoint's byte stream), as a rank with pageable
-        // host shards writes them out of each bucket's pinned copy.
+        // host shards writes them out of each bucket's pinned copy; the most shares a bucket was cut into.
         TORCH_CHECK_VALUE(plan.is_load && stream.is_cpu() && stream.scalar_type() == at::kByte &&
                               stream.is_contiguous(), "_host_scatter takes a load plan and a contiguous uint8 CPU stream");
         const int64_t B = plan.options.bucket_bytes;
         TORCH_CHECK_VALUE(stream.numel() >= static_cast<int64_t>(plan.buckets.size()) * B, "a stream of ",
                           stream.numel(), " bytes for ", plan.buckets.size(), " buckets of ", B);
         HostStager stager(threads);
+        int64_t most = 0;
         for (size_t k = 0; k < plan.buckets.size(); ++k) {
           const auto& b = plan.buckets[k];
           stager.scatter(plan.scatter.data() + b.first_scatter, b.num_scatter, plan.boxes,
                          stream.data_ptr<uint8_t>() + static_cast<int64_t>(k) * B);
+          most = std::max(most, stager.last_shares());
         }
+        return most;
       },
       py::arg("plan"), py::arg("stream"), py::arg("threads"), py::call_guard<py::gil_scoped_release>());
   m.def("wait_stream", &wait_stream, py::arg("device"), py::arg("seconds"), py::call_guard<py::gil_scoped_release>(),

@@ -44,6 +44,7 @@ void HostStager::work() {
 }
 
 void HostStager::run(int64_t tasks, const std::function<void(int64_t)>& fn) {
+  last_shares_ = tasks;
   if (threads_ <= 1 || tasks <= 1) {
     for (int64_t t = 0; t < tasks; ++t) fn(t);
     return;
@@ -116,8 +117,9 @@ void HostStager::stage(const CopyOp* ops, int64_t count, const std::vector<Layou
   const auto bytes = [](const CopyOp& op) { return op.nbytes; };
   int64_t total = 0;
   for (int64_t i = 0; i < count; ++i) total += bytes(ops[i]);
-  const auto shares = static_cast<int64_t>(workers_.size()) + 1;
+  const auto shares = std::max<int64_t>(threads_, 1);  // the workers start in run(): not workers_.size()
   if (shares == 1 || total < kMinShare) {
+    last_shares_ = 1;
     copy_runs_cpu(ops, count, layouts, bucket, /*pack=*/true);
     return;
   }
@@ -142,8 +144,9 @@ void HostStager::scatter(const ScatterOp* ops, int64_t count, const std::vector<
   const auto bytes = [](const ScatterOp& op) { return op.count * op.dst_size; };
   int64_t total = 0;
   for (int64_t i = 0; i < count; ++i) total += bytes(ops[i]);
-  const auto shares = static_cast<int64_t>(workers_.size()) + 1;
+  const auto shares = std::max<int64_t>(threads_, 1);
   if (shares == 1 || total < kMinShare) {
+    last_shares_ = 1;
     copy_cast_runs_cpu(ops, count, boxes, src_base, 0);
     return;
   }

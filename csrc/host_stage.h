@@ -32,6 +32,8 @@ class HostStager {
   // Writes the cast-copy runs `ops[0, count)` out of `bucket` (host memory, read at src_base +
   // bucket_offset) into the tensors, spread over the threads by bytes; returns when all are written.
   void scatter(const ScatterOp* ops, int64_t count, const std::vector<Box>& boxes, const uint8_t* bucket);
+  // The shares the last stage() or scatter() was cut into (1: all on the calling thread).
+  int64_t last_shares() const { return last_shares_; }
 
  private:
   void work();
@@ -39,6 +41,7 @@ class HostStager {
   void attempt(int64_t task);
 
   int64_t threads_;
+  int64_t last_shares_ = 0;
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::condition_variable wake_, done_;

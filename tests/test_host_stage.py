@@ -30,8 +30,11 @@ def test_threaded_pack_equals_concatenation(threads):
         torch.randn(64, 3, 50, generator=g).permute(2, 0, 1),
         torch.randint(0, 2, (17,), generator=g).bool(),
     ] + [torch.randn(int(n), generator=g) for n in torch.randint(1, 5000, (300,), generator=g)]
-    got = _C._host_stage(tensors, threads)
+    got, shares = _C._host_stage(tensors, threads)
     assert torch.equal(got, _expected(tensors))
+    # Shared out over the threads (the workers start at the first shared pack: once the decision read the
+    # workers already started, and nothing was ever shared).
+    assert shares == 1 if threads == 1 else 1 < shares <= threads, shares
 
 
 def _unit_row(t):
@@ -49,7 +52,7 @@ def test_threaded_unstage_writes_each_box(threads):
     large byte runs cut between threads and across buckets."""
     g = torch.Generator().manual_seed(threads)
     full = [
-        torch.randint(-2**31, 2**31 - 1, (3 << 18,), generator=g, dtype=torch.int32).view(torch.float32),
+        torch.randint(-2**31, 2**31 - 1, (3 << 20,), generator=g, dtype=torch.int32).view(torch.float32),
         torch.randn(96, 70, generator=g),                             # columns [20, 55) of it: a boxed run
         torch.randn(5000, generator=g).to(torch.bfloat16),            # into float32: a cast run
         torch.randint(-9, 9, (33, 3), generator=g, dtype=torch.int64),  # rows [11, 22)
@@ -67,7 +70,7 @@ def test_threaded_unstage_writes_each_box(threads):
         want.append(part.to(dt))
         dests.append(torch.zeros(part.shape, dtype=dt))
     units = torch.stack([_unit_row(t) for t in full])
-    B = 1 << 20
+    B = 4 << 20  # a share is at least 1 MiB: several to a bucket
     plan = _C.load_plan(units, [], list(dests), meta, B, 2, 0, threads, torch.device("cpu"))
     stream = torch.zeros(plan.num_buckets * B, dtype=torch.uint8)
     offset = 0
@@ -77,7 +80,8 @@ def test_threaded_unstage_writes_each_box(threads):
         stream[offset:offset + raw.numel()] = raw
         offset += raw.numel()
     assert plan.num_buckets >= 4
-    _C._host_scatter(plan, stream, threads)
+    shares = _C._host_scatter(plan, stream, threads)
+    assert shares == 1 if threads == 1 else 1 < shares <= threads, shares
     bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.bool: torch.uint8}
     for i, (got, w) in enumerate(zip(dests, want)):
         if w.is_floating_point():  # NaN payloads: torch's own CPU cast keeps one or another (vector or tail)
@@ -114,7 +118,7 @@ def test_source_plan_of_many_tensors_names_the_bad_one_from_either_pass():
         offset += -offset % 16
         stream[offset:offset + t.numel() * 4] = t.view(torch.uint8)
         offset += t.numel() * 4
-    assert torch.equal(_C._host_stage(sources, 2)[:offset], stream[:offset])  # what the source packs
+    assert torch.equal(_C._host_stage(sources, 2)[0][:offset], stream[:offset])  # what the source packs
     _C._host_scatter(full, stream, 2)
     assert all(torch.equal(d, s) for d, s in zip(dests, sources))
 
