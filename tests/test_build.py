@@ -146,3 +146,19 @@ def test_import_under_another_torch_fails_with_the_check_not_a_symbol_error(tmp_
                          env=dict(os.environ, PYTHONPATH=str(tmp_path)))
     assert f"built against torch 1.0.0+cu000, but torch {torch.__version__} is installed" in out.stdout, out
     assert "C loaded: False" in out.stdout, out
+
+
+def test_import_leaves_dtensor_unimported():
+    """`import coalesced_bcast` does not import torch.distributed.tensor (~0.5 s on the CPU machine: sympy, its op
+    table) for processes that only sync; the load and refit paths take DTensor's classes where some module has
+    imported them (no object is a DTensor before). install() still imports FSDP1 to patch it, and FSDP1 DTensor."""
+    import coalesced_bcast
+
+    root = os.path.dirname(os.path.dirname(coalesced_bcast.__file__))
+    code = ("import sys, torch, torch.distributed, torch.nn.parallel\nimport coalesced_bcast\n"
+            "print('dtensor:', sorted(m for m in sys.modules if m.startswith(('torch.distributed.tensor', "
+            "'torch.distributed._tensor'))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=root))
+    assert out.returncode == 0, out
+    assert "dtensor: []" in out.stdout, out

@@ -28,17 +28,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import _C
+from . import _C, _dtensor
 from .agree import (_HEADER, AgreementError, CollectiveError, _gather, _message, _record, as_timedelta, broadcast,
                     control_device)
 from .state_dict import _CASTABLE, _dtype_code, _dtype_of_code, _int64_table
 from .sync import _module_slots, gc_paused
 from .verify import VerifyError
-
-try:  # DTensor's home since torch 2.5; torch 2.4 had it in a private module
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # pragma: no cover
-    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore[no-redef]
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +195,7 @@ class RefitSender:
     # -- planning ------------------------------------------------------------------------------------
 
     def _build(self) -> None:
+        DTensor, _, Shard = _dtensor.classes()
         self._plan, self._error, self._views = None, None, None
         # The trainer group first, whatever else fails: every trainer rank must take part in the agreement.
         self.trainer_group = self._trainer_arg or next(
@@ -245,6 +241,7 @@ class RefitSender:
         return d if t.dtype.is_floating_point else t.dtype
 
     def _plan_local(self) -> None:
+        DTensor, Replicate, Shard = _dtensor.classes()
         rows, locals_, modes = [], [], []
         mesh_group = None
         device = None

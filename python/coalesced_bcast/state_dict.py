@@ -35,12 +35,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # torch < 2.5 kept DTensor in a private module: the same classes
-    from torch.distributed._tensor import DTensor, Replicate, Shard
 
-from . import _C
+from . import _C, _dtensor
 from .agree import host_reads_wait, payload_broadcast
 from .sync import DEFAULT_BUCKET_BYTES, DEFAULT_RING_DEPTH, _group_src, _resolve_group, gc_paused
 
@@ -312,7 +308,7 @@ def _model_device(model_sd: Mapping[str, Any], extra: Mapping[str, nn.Module],
     """The device of the model's first tensor with elements; load_dests checks each loaded tensor against it."""
     keys = [k for k in model_sd if k not in extra] if extra else list(model_sd)
     values = [model_sd[k] for k in keys] if extra else list(model_sd.values())
-    device, index = _C.first_device(values, DTensor)
+    device, index = _C.first_device(values, _dtensor.classes()[0])
     if device is not None and device.type == "meta":
         raise ValueError(f"'{keys[index]}' is on the meta device: materialize the model first "
                          f"(model.to_empty(device=...))")
@@ -333,7 +329,7 @@ def _source_problem(v: Any) -> str:
     """Why a value that is not a plain tensor cannot be sent (plain tensors are checked in C++)."""
     if not isinstance(v, torch.Tensor):
         return f"a {type(v).__name__}, not a tensor"
-    if isinstance(v, DTensor):
+    if isinstance(v, _dtensor.classes()[0]):
         return "a DTensor: the source must hold a full state dict of plain tensors"
     return f"a tensor subclass ({type(v).__name__}), not a plain tensor"
 
@@ -541,6 +537,7 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
             found = boxes[memo] = _dtensor_box(mesh, placements, shape)
         return found
 
+    DTensor, Replicate, Shard = _dtensor.classes()
     local, meta_t, units_t, unit_src_rows, plan.cast_keys, problems = _C.load_dests(
         values, value_rows, meta["table"], meta["canon"], owned, DTensor, Shard,
         Replicate, mesh_facts, nd_box, device, rank, _scalar_from_any_1dim())
@@ -712,6 +709,7 @@ def _scalar_from_any_1dim() -> bool:
 def _dtensor_box(mesh, placements, shape: tuple[int, ...]):
     """(problem, the global offset of this rank's box or None if it holds none, the box's shape), for a
     DTensor on a mesh of other than one dim or one this rank is not in (load_dests does 1-D meshes)."""
+    _, Replicate, Shard = _dtensor.classes()
     bad = [p for p in placements if type(p) is not Shard and type(p) is not Replicate]
     if bad:
         return f"placement {bad[0]} is not supported (only Shard(dim) and Replicate)", None, None
