@@ -35,6 +35,12 @@ struct CopyOp {
   int32_t elem_size;
 };
 
+// ScatterOp::box of a contiguous destination, and of a 0-dim one: torch's CPU copy_ casts a 0-dim
+// tensor by its scalar conversion and any other by its vectorized one, and they differ in NaN
+// encodings (float32 NaN -> bfloat16 0x7FC0 against 0xFFFF; a float16 signaling NaN into float32).
+constexpr int32_t kWhole = -1;
+constexpr int32_t kScalar = -2;
+
 // A load's unpack: one run of a checkpoint tensor's elements in a bucket,
 // written into the part of a destination tensor that this rank holds, cast on
 // the way when the model's dtype differs. Runs may start anywhere (a shard
@@ -45,12 +51,6 @@ struct CopyOp {
 // relative to a base given at launch (Executor::copy_runs): a trainer shard
 // into its chunk or the slot (source: the shard's address, base 0), a
 // gathered chunk into the slot.
-// ScatterOp::box of a contiguous destination, and of a 0-dim one: torch's CPU copy_ casts a 0-dim
-// tensor by its scalar conversion and any other by its vectorized one, and they differ in NaN
-// encodings (float32 NaN -> bfloat16 0x7FC0 against 0xFFFF; a float16 signaling NaN into float32).
-constexpr int32_t kWhole = -1;
-constexpr int32_t kScalar = -2;
-
 struct ScatterOp {
   uint64_t dst_ptr;       // the destination's first element (its local tensor)
   int64_t first;          // first element: an index into the destination (box < 0) or
