@@ -3,8 +3,6 @@
 Each example runs on both ranks (ranked_hypothesis.py): each builds the model (the source with the real
 values, the receiver with poison), syncs and compares bit patterns against the source's values.
 """
-import gc
-
 import torch
 from hypothesis import strategies as st
 
@@ -15,10 +13,6 @@ from zoo import DTYPES, fill_random_bytes, same_bits
 
 EXAMPLES = 200
 KINDS = ["plain", "transposed", "strided", "offset", "interleaved", "tie", "alias"]
-
-# _COLLECT_NOTE: pytest.raises keeps exceptions whose frames hold the process group; a group object that
-# outlives destroy_process_group and dies at interpreter exit can abort the process (seen with gloo:
-# "terminate called without an active exception"), so each body breaks those cycles before returning.
 
 
 @st.composite
@@ -97,15 +91,8 @@ FOUND = [{"entries": [("strided", 0, (1,), 0)], "src": 0, "seed": 0, "options": 
     bucket_bytes=4096, ring_depth=1, inplace_min_bytes=0, coalesce_bytes=0, verify=False)}]
 
 
-def _body_checks(rank, world_size, out_dir, examples=EXAMPLES):
-    examples_on_ranks(rank, specs(), lambda spec: run_example(rank, spec), examples, out_dir, explicit=FOUND)
-
-
 def _body(rank, world_size, out_dir, examples=EXAMPLES):
-    try:
-        _body_checks(rank, world_size, out_dir, examples)
-    finally:
-        gc.collect()  # see _COLLECT_NOTE
+    examples_on_ranks(rank, specs(), lambda spec: run_example(rank, spec), examples, out_dir, explicit=FOUND)
 
 
 def test_random_models_bitwise(tmp_path):

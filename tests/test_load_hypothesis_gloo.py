@@ -16,8 +16,6 @@ Each example runs on both ranks (ranked_hypothesis.py): each builds the model (p
 """
 from __future__ import annotations
 
-import gc
-
 import torch
 import torch.nn as nn
 from hypothesis import strategies as st
@@ -247,17 +245,10 @@ def run_example(rank: int, spec, meshes: dict) -> bool:
     return ok
 
 
-def _body_checks(rank, world_size, out_dir, examples):
+def _body(rank, world_size, out_dir, examples=EXAMPLES):
     meshes = {"1d": init_device_mesh("cpu", (2,)), "1x2": init_device_mesh("cpu", (1, 2)),
               "2x1": init_device_mesh("cpu", (2, 1))} if HAVE_DTENSOR else {}
     examples_on_ranks(rank, specs(), lambda spec: run_example(rank, spec, meshes), examples, out_dir)
-
-
-def _body(rank, world_size, out_dir, examples=EXAMPLES):
-    try:
-        _body_checks(rank, world_size, out_dir, examples)
-    finally:
-        gc.collect()  # exceptions kept by hypothesis hold the group: let it go before destroy
 
 
 def test_random_loads_bitwise(tmp_path):
