@@ -22,7 +22,9 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import importlib.abc
 import logging
+import sys
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -62,7 +64,7 @@ class _FsdpUnit:
     fallback: bool = False  # torch's own functions sync this unit
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: install() may import a module whose import patches (_patch_deferred)
 _originals: dict[tuple[str, str], Any] = {}  # (module, name) -> torch's function, while installed
 _history: deque[PatchedCall] = deque(maxlen=4096)
 _unit: contextvars.ContextVar[Optional[_FsdpUnit]] = contextvars.ContextVar("coalesced_bcast_fsdp_unit",
@@ -331,43 +333,126 @@ def _wrap(repl: Callable, original: Callable) -> Callable:
 
 
 def is_installed() -> bool:
-    return bool(_originals)
+    return bool(_originals) or _deferred is not None
+
+
+# FSDP1's modules, when install() runs before anything imported them: patched the moment torch imports
+# _init_utils (which imports _flat_param first), so that a process that never uses FSDP1 does not pay for
+# importing it (torch.distributed.fsdp pulls in DTensor: 0.9-1.4 s on the CPU machine).
+_deferred: Optional["_PatchOnImport"] = None
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """The module's own loader, then the patch of the names install() deferred."""
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._inner.exec_module(module)
+        _patch_deferred()
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ...: inspect and linecache use them
+        return getattr(self._inner, name)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds FSDP1's _init_utils as the finders after it would, and wraps its loader."""
+
+    def find_spec(self, fullname: str, path, target=None):
+        if fullname != _FSDP:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+def _fsdp1_site(mod_name: str) -> bool:
+    return mod_name == _FSDP or mod_name.startswith(_FLAT)
+
+
+def _patch(entries: list) -> list[str]:
+    """Patch the entries' names (holding _lock); log what this torch lacks. Returns the names patched."""
+    patched, missing = [], []
+    for mod_name, name, repl, consequence in entries:
+        try:
+            mod = _owner(mod_name)
+        except ImportError as e:
+            missing.append(f"{mod_name}.{name} ({consequence}; import failed: {e})")
+            continue
+        original = getattr(mod, name, None)
+        if not callable(original):
+            missing.append(f"{mod_name}.{name} ({consequence})")
+            continue
+        _originals[(mod_name, name)] = original
+        setattr(mod, name, _wrap(repl, original))
+        patched.append(f"{mod_name}.{name}")
+    for m in missing:
+        logger.warning("coalesced_bcast.install: torch %s has no %s", torch.__version__, m)
+    return patched
+
+
+def _patch_deferred() -> None:
+    global _deferred
+    with _lock:
+        if _deferred is None:
+            return
+        _drop_finder()
+        patched = _patch([e for e in _REPLACEMENTS if _fsdp1_site(e[0])])
+        logger.info("coalesced_bcast.install: FSDP1 imported: patched %s", ", ".join(patched) or "nothing")
+
+
+def _drop_finder() -> None:
+    global _deferred
+    if _deferred is not None:
+        try:
+            sys.meta_path.remove(_deferred)
+        except ValueError:  # someone else took it out
+            pass
+        _deferred = None
 
 
 def install() -> list[str]:
     """Route FSDP1's ``sync_module_states`` and DDP's init sync through coalesced_bcast.
 
     Idempotent. A name this torch lacks is logged (with the torch version) and skipped; the rest are
-    patched. Returns the dotted names now patched.
+    patched. FSDP1's names are patched when torch imports FSDP1, if it has not yet. Returns the dotted
+    names patched (FSDP1's included when they wait for that import).
     """
+    global _deferred
     with _lock:
-        if _originals:
-            return [f"{m}.{n}" for m, n in _originals]
-        patched, missing = [], []
-        for mod_name, name, repl, consequence in _REPLACEMENTS:
-            try:
-                mod = _owner(mod_name)
-            except ImportError as e:
-                missing.append(f"{mod_name}.{name} ({consequence}; import failed: {e})")
-                continue
-            original = getattr(mod, name, None)
-            if not callable(original):
-                missing.append(f"{mod_name}.{name} ({consequence})")
-                continue
-            wrapper = _wrap(repl, original)
-            _originals[(mod_name, name)] = original
-            setattr(mod, name, wrapper)
-            patched.append(f"{mod_name}.{name}")
-        for m in missing:
-            logger.warning("coalesced_bcast.install: torch %s has no %s", torch.__version__, m)
-        logger.info("coalesced_bcast.install: torch %s: patched %s", torch.__version__,
-                    ", ".join(patched) or "nothing")
-        return patched
+        if _originals or _deferred is not None:
+            return _names_installed()
+        entries = list(_REPLACEMENTS)
+        if _FSDP not in sys.modules:
+            entries = [e for e in entries if not _fsdp1_site(e[0])]
+            _deferred = _PatchOnImport()
+            sys.meta_path.insert(0, _deferred)
+        patched = _patch(entries)
+        logger.info("coalesced_bcast.install: torch %s: patched %s%s", torch.__version__,
+                    ", ".join(patched) or "nothing", "; FSDP1's names once torch imports it" if _deferred else "")
+        return _names_installed()
+
+
+def _names_installed() -> list[str]:
+    """Patched names, and FSDP1's while they wait for its import, in _REPLACEMENTS' order."""
+    return [f"{m}.{n}" for m, n, _, _ in _REPLACEMENTS
+            if (m, n) in _originals or (_deferred is not None and _fsdp1_site(m))]
 
 
 def uninstall() -> None:
     """Put torch's own functions back (a no-op when not installed)."""
     with _lock:
+        _drop_finder()
         for (mod_name, name), original in _originals.items():
             mod = _owner(mod_name)
             current = getattr(mod, name, None)
