@@ -49,6 +49,11 @@ void check_input(const Plan& plan, int64_t i, const at::Tensor& t) {
   TORCH_CHECK_VALUE(
       t.device() == plan.device, plan.describe(i), " is on ", t.device(), " but ", plan.describe(0), " is on ",
       plan.device, "; every tensor of one call must be on one device");
+  // Its values are not its bytes (the bit conjugates or negates them as they are read), and a byte
+  // view of it is refused: sending its memory would be right only where every rank has the same bit.
+  TORCH_CHECK_VALUE(
+      !t.is_conj() && !t.is_neg(), plan.describe(i), " has a lazy conjugate or negative bit; sync the tensor it "
+      "views, or resolve it first (resolve_conj/resolve_neg)");
 }
 
 

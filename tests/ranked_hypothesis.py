@@ -1,14 +1,22 @@
 """Hypothesis over the ranks of one process group: rank 0 draws each example and sends it to the others
 (broadcast_object_list); every rank runs it and the verdict is their minimum (all_reduce MIN), so that
-hypothesis on rank 0 sees a failure on any rank and can shrink it. A final None tells the others to stop."""
+hypothesis on rank 0 sees a failure on any rank and can shrink it. A final message tells the others to stop, and whether rank 0 failed."""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, example, given, settings
+
+
+class _Stop:
+    """Rank 0's last message: no more examples, and the failure that ended them ("" if none)."""
+
+    def __init__(self, failure: str):
+        self.failure = failure
 
 
 def examples_on_ranks(rank: int, strategy: Any, run: Callable[[Any], bool], examples: int, out_dir: str,
@@ -24,7 +32,12 @@ def examples_on_ranks(rank: int, strategy: Any, run: Callable[[Any], bool], exam
         while True:
             box = [None]
             dist.broadcast_object_list(box, src=0)
-            if box[0] is None:
+            if isinstance(box[0], _Stop):
+                if box[0].failure:
+                    # rank 0 raises the failing example at once; torch's spawn reports the first rank that
+                    # fails, so this one waits a moment to let that be rank 0's, which names the example.
+                    time.sleep(2.0)
+                    raise AssertionError(f"rank 0 found a failing example: {box[0].failure[:2000]}")
                 return
             verdict(box[0])
     count = [0]
@@ -41,7 +54,9 @@ def examples_on_ranks(rank: int, strategy: Any, run: Callable[[Any], bool], exam
                      suppress_health_check=list(HealthCheck))(check)
     try:
         check()
-    finally:
-        dist.broadcast_object_list([None], src=0)
+    except BaseException as e:
+        dist.broadcast_object_list([_Stop(str(e) or type(e).__name__)], src=0)
+        raise
+    dist.broadcast_object_list([_Stop("")], src=0)
     with open(os.path.join(out_dir, "count"), "w") as f:
         f.write(str(count[0]))

@@ -199,6 +199,11 @@ def test_empty_and_zero_element_tensors():
     (lambda: torch.zeros(3, 3).to_sparse(), "sparse"),
     (lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]), "nested"),
     (lambda: torch.zeros(1).expand(4), "overlaps itself"),
+    # its values are not its bytes: a byte view of it is refused, and its memory is right to send only where
+    # every rank has the same bit (before: 0-dim ones went through the CPU pack conjugated, others failed mid-send)
+    (lambda: torch.zeros(3, dtype=torch.complex64).conj(), "lazy conjugate or negative bit"),
+    (lambda: torch.zeros((), dtype=torch.complex128).conj(), "lazy conjugate or negative bit"),
+    (lambda: torch.zeros(3)._neg_view(), "lazy conjugate or negative bit"),
 ])
 def test_bad_input_names_tensor_and_rank(bad, match):
     with pytest.raises(ValueError, match=rf"tensor 1 \('x.bad'\) on rank 0.*{match}|{match}"):

@@ -110,6 +110,33 @@ def _fallback_reason(pg: dist.ProcessGroup, tensors: list[torch.Tensor]) -> Opti
     return None
 
 
+#: What the planner refuses (csrc/plan.cpp) and torch's path serves, so that the patched calls hand it back,
+#: with the reason they record: different views of overlapping memory (a buffer that is a row or the transpose
+#: of a parameter: torch copies each view in turn, coalesced_bcast sends each byte once), and a lazy conjugate
+#: or negative bit (torch's copies resolve it; its bytes are not its values).
+_HANDED_BACK = {
+    "are different views of overlapping memory":
+        "some rank's parameters or buffers include different views of overlapping memory (a buffer that is a "
+        "view of a parameter)",
+    "has a lazy conjugate or negative bit": "some rank's parameters or buffers have a lazy conjugate or negative bit",
+}
+
+
+def _send_or_hand_back(site: str, send: Callable[[], SyncStats], torch_own: Callable[[], Any]) -> Any:
+    """send(); where some rank refused what torch's path serves (_HANDED_BACK), torch's own function instead. The
+    refusal reaches every rank in the same AgreementError before any byte moves: every rank hands it back alike."""
+    try:
+        stats = send()
+    except AgreementError as e:
+        reason = next((why for words, why in _HANDED_BACK.items() if words in str(e)), None)
+        if reason is None:
+            raise
+        _fall_back(site, reason)
+        return torch_own()
+    _record(site, stats)
+    return None
+
+
 def _fall_back(site: str, reason: str) -> None:
     """Record a call handed to torch, and say why once per (site, reason) at INFO."""
     _history.append(PatchedCall(site, None, reason))
@@ -149,8 +176,9 @@ def _fsdp_sync_params_and_buffers(original: Callable, process_group: dist.Proces
         return original(process_group, module_states, broadcast_bucket_size, src)
     unit = _unit.get()
     names = functools.partial(_tensor_names, unit.module, module_states) if unit is not None else None
-    stats = broadcast_tensors(module_states, dist.get_global_rank(pg, src), pg, names=names)
-    _record("fsdp1", stats)
+    return _send_or_hand_back(
+        "fsdp1", lambda: broadcast_tensors(module_states, dist.get_global_rank(pg, src), pg, names=names),
+        lambda: original(process_group, module_states, broadcast_bucket_size, src))
 
 
 def _fsdp_check_module_states(original: Callable, module_states: list[torch.Tensor]) -> None:
@@ -291,8 +319,10 @@ def _ddp_sync_module_states(original: Callable, module: nn.Module, process_group
         _fall_back("ddp", reason)
         return original(
             module, process_group, broadcast_bucket_size, src, params_and_buffers_to_ignore, broadcast_buffers)
-    stats = broadcast_tensors(states, dist.get_global_rank(pg, src), pg, names=names)
-    _record("ddp", stats)
+    return _send_or_hand_back(
+        "ddp", lambda: broadcast_tensors(states, dist.get_global_rank(pg, src), pg, names=names),
+        lambda: original(module, process_group, broadcast_bucket_size, src, params_and_buffers_to_ignore,
+                         broadcast_buffers))
 
 
 # --------------------------------------------------------------------------------------- install API
