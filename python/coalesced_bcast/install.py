@@ -386,6 +386,8 @@ class _PatchingLoader(importlib.abc.Loader):
         _patch_deferred()
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ...: inspect and linecache use them
+        if name == "_inner":  # not set yet (a copy made without __init__): no recursion
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
 
