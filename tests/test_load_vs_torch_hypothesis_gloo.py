@@ -136,7 +136,9 @@ def checkpoint(spec) -> dict:
         elif what == "unexpected":
             sd["zz_unexpected.weight"] = torch.randn(2, generator=gen)
         elif what == "wrong_shape":
-            sd[key] = torch.zeros(v.shape + (2,), dtype=v.dtype)
+            bad = torch.empty(v.shape + (2,), dtype=v.dtype)
+            bad.reshape(-1).view(torch.uint8).fill_(3)  # (torch 2.4 cannot fill float8 tensors)
+            sd[key] = bad
     return sd
 
 

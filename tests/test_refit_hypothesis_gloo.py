@@ -119,8 +119,8 @@ class _Reassembler:
 
     def __init__(self, spec):
         self.spec = spec
-        self.flat = {f"w{i}": torch.zeros(max(1, torch.Size(e["shape"]).numel()), dtype=e["wire"])[:torch.Size(
-            e["shape"]).numel()] for i, e in enumerate(spec["entries"])}
+        self.flat = {f"w{i}": _poisoned((torch.Size(e["shape"]).numel(),), e["wire"])
+                     for i, e in enumerate(spec["entries"])}
         self.hits = {name: torch.zeros(t.numel(), dtype=torch.int32) for name, t in self.flat.items()}
         self.problems: list[str] = []
 
@@ -149,6 +149,13 @@ class _Reassembler:
             if not (same_values(got, want) if e["wire"] != e["dtype"] else same_bits(got, want)):
                 out.append(f"{name}: differs")
         return out
+
+
+def _poisoned(shape, dtype) -> torch.Tensor:
+    """Every byte 0x07 (torch 2.4 cannot fill float8 tensors on the CPU)."""
+    t = torch.empty(shape, dtype=dtype)
+    t.reshape(-1).view(torch.uint8).fill_(7)
+    return t
 
 
 def _realloc_target(spec) -> tuple[str, int] | None:
@@ -218,7 +225,7 @@ def run_example(rank: int, spec, groups: dict) -> bool:
             # A trainer's change is planned again; the engine's takes a new receiver, and this sends as before.
             s.send(verify=step == 1, replan=step == 1 and realloc is not None and realloc[0] != "engine")
     else:
-        poison = {f"w{i}": torch.full(e["shape"], 7, dtype=e["engine"]) for i, e in enumerate(spec["entries"])}
+        poison = {f"w{i}": _poisoned(e["shape"], e["engine"]) for i, e in enumerate(spec["entries"])}
         keep = {k: v.clone() for k, v in poison.items()}
         skipped = {f"w{i}" for i, e in enumerate(spec["entries"]) if e["skip"]}
         name_map = {k: None for k in skipped}
