@@ -152,9 +152,10 @@ class _Reassembler:
 
 
 def _poisoned(shape, dtype) -> torch.Tensor:
-    """Every byte 0x07 (torch 2.4 cannot fill float8 tensors on the CPU)."""
+    """Every byte 0x07, a bool's 0x01 (torch 2.4 cannot fill float8 tensors on the CPU; a bool byte of 7
+    is not a bool, and copies of it may read 1)."""
     t = torch.empty(shape, dtype=dtype)
-    t.reshape(-1).view(torch.uint8).fill_(7)
+    t.reshape(-1).view(torch.uint8).fill_(1 if dtype == torch.bool else 7)
     return t
 
 
