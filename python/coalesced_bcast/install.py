@@ -64,7 +64,7 @@ class _FsdpUnit:
     fallback: bool = False  # torch's own functions sync this unit
 
 
-_lock = threading.RLock()  # reentrant: install() may import a module whose import patches (_patch_deferred)
+_lock = threading.RLock()  # reentrant: an import made under it (_owner) may be FSDP1's, whose hook takes it too
 _originals: dict[tuple[str, str], Any] = {}  # (module, name) -> torch's function, while installed
 _history: deque[PatchedCall] = deque(maxlen=4096)
 _unit: contextvars.ContextVar[Optional[_FsdpUnit]] = contextvars.ContextVar("coalesced_bcast_fsdp_unit",
@@ -434,7 +434,6 @@ def _patch(entries: list) -> list[str]:
 
 
 def _patch_deferred() -> None:
-    global _deferred
     with _lock:
         if _deferred is None:
             return
