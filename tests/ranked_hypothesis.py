@@ -1,6 +1,7 @@
 """Hypothesis over the ranks of one process group: rank 0 draws each example and sends it to the others
 (broadcast_object_list); every rank runs it and the verdict is their minimum (all_reduce MIN), so that
-hypothesis on rank 0 sees a failure on any rank and can shrink it. A final message tells the others to stop, and whether rank 0 failed."""
+hypothesis on rank 0 sees a failure on any rank and can shrink it. A final message tells the others to stop,
+and whether rank 0 failed."""
 from __future__ import annotations
 
 import os

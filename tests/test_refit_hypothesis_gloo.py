@@ -10,9 +10,9 @@ into its own tensors (in its own dtypes: a second cast, in the unpack; some name
 alone) or through a callback that reassembles every tensor from its batches and pieces. Two steps with new
 values on one kept plan, the second verified; before the second, in some examples, a tensor re-allocated on a
 trainer rank or on the engine: every rank that takes part must raise, naming it, with nothing written, and the
-refit then goes through (the trainer planning again, or a new receiver). Where a value is cast, a NaN may arrive as another NaN (see
-test_load_hypothesis_gloo.same_values); every other bit must match ``torch.empty(shape, engine_dtype)
-.copy_(full.to(wire_dtype))``.
+refit then goes through (the trainer planning again, or a new receiver). Where a value is cast, a NaN may
+arrive as another NaN (see test_load_hypothesis_gloo.same_values); every other bit must match
+``torch.empty(shape, engine_dtype).copy_(full.to(wire_dtype))``.
 
 Each example runs on every rank (ranked_hypothesis.py): each builds the same full values from the example's
 seed, the trainer ranks their shards, the engine its poisoned destinations.
@@ -38,8 +38,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 EXAMPLES = 60
 TRAINER, ENGINE = (0, 1), 2
+# What a refit casts: state_dict._CASTABLE less bool, whose casts _cast_targets omits.
 _CASTS = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
-          torch.int32, torch.int64}  # what a refit casts (state_dict._CASTABLE less bool, whose casts _cast_targets omits)
+          torch.int32, torch.int64}
 
 
 def _targets(dtype: torch.dtype) -> list[torch.dtype]:
