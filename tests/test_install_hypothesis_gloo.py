@@ -13,6 +13,7 @@ overlaps a parameter or has a conjugate bit, and handed back (with the reason re
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from hypothesis import strategies as st
 from torch.nn.parallel import distributed as ddp_mod
@@ -22,13 +23,11 @@ from dist_utils import run_ranks
 from ranked_hypothesis import examples_on_ranks
 from zoo import fill_random_bytes, same_bits
 
-import torch.distributed as dist
-
 EXAMPLES = 80
 # What torch's gloo broadcast takes (int16, float8 and the unsigned beyond uint8 it refuses: "Invalid scalar type")
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int32, torch.int64,
           torch.uint8, torch.bool, torch.complex64, torch.complex128]
-FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+PARAM_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]  # trainable ones
 KINDS = ["param", "param", "frozen", "buffer", "buffer", "buffer_np", "none", "tie", "row_view", "t_view", "conj"]
 
 
@@ -49,7 +48,7 @@ def specs(draw):
             ndim = draw(st.integers(0, 3))
             e["shape"] = tuple(draw(st.lists(st.one_of(st.integers(0, 3), st.integers(1, 30)), min_size=ndim,
                                              max_size=ndim)))
-            pool = FLOATS if kind == "param" else [torch.complex64, torch.complex128] if kind == "conj" else DTYPES
+            pool = PARAM_DTYPES if kind == "param" else [torch.complex64, torch.complex128] if kind == "conj" else DTYPES
             e["dtype"] = draw(st.sampled_from(pool))
             e["transposed"] = ndim == 2 and draw(st.booleans())  # stored as the transpose of a contiguous tensor
         entries.append(e)
