@@ -110,10 +110,12 @@ def _fallback_reason(pg: dist.ProcessGroup, tensors: list[torch.Tensor]) -> Opti
     return None
 
 
-#: What the planner refuses (csrc/plan.cpp) and torch's path serves, so that the patched calls hand it back,
-#: with the reason they record: different views of overlapping memory (a buffer that is a row or the transpose
-#: of a parameter: torch copies each view in turn, coalesced_bcast sends each byte once), and a lazy conjugate
-#: or negative bit (torch's copies resolve it; its bytes are not its values).
+#: What the planner refuses (csrc/plan.cpp) and torch's path takes without an error, so that the patched calls
+#: hand it back, with the reason they record: different views of overlapping memory (a buffer that is a row or
+#: the transpose of a parameter: torch copies each view in turn, coalesced_bcast sends each byte once), and a
+#: lazy conjugate or negative bit (its bytes are not its values). Torch does not always sync the latter: over
+#: gloo (2.14.1), a conjugate view broadcast beside a float tensor kept each rank's own values; handed back,
+#: the outcome is torch's either way.
 _HANDED_BACK = {
     "are different views of overlapping memory":
         "some rank's parameters or buffers include different views of overlapping memory (a buffer that is a "
