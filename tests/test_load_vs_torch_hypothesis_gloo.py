@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from dist_utils import run_ranks
 from ranked_hypothesis import examples_on_ranks
 from test_load_hypothesis_gloo import FLOATS, same_values
-from zoo import DTYPES, fill_random_bytes, same_bits
+from zoo import DTYPES, bits, fill_random_bytes, same_bits
 
 from coalesced_bcast import load_full_state_dict
 
@@ -137,7 +137,7 @@ def checkpoint(spec) -> dict:
             sd["zz_unexpected.weight"] = torch.randn(2, generator=gen)
         elif what == "wrong_shape":
             bad = torch.empty(v.shape + (2,), dtype=v.dtype)
-            bad.reshape(-1).view(torch.uint8).fill_(3)  # (torch 2.4 cannot fill float8 tensors)
+            bits(bad).fill_(3)  # (torch 2.4 cannot fill float8 tensors)
             sd[key] = bad
     return sd
 

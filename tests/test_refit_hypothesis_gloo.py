@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from dist_utils import run_ranks
 from ranked_hypothesis import examples_on_ranks
 from test_load_hypothesis_gloo import _cast_targets, same_values
-from zoo import DTYPES, fill_random_bytes, same_bits
+from zoo import DTYPES, bits, fill_random_bytes, same_bits
 
 from coalesced_bcast import AgreementError, RefitReceiver, RefitSender
 
@@ -153,10 +153,10 @@ class _Reassembler:
 
 
 def _poisoned(shape, dtype) -> torch.Tensor:
-    """Every byte 0x07, a bool's 0x01 (torch 2.4 cannot fill float8 tensors on the CPU; a bool byte of 7
-    is not a bool, and copies of it may read 1)."""
+    """Every element's bits the integer 7, a bool's 1, through zoo's bits view (torch 2.4 cannot fill float8
+    tensors on the CPU; a bool byte of 7 is not a bool, and copies of it may read 1)."""
     t = torch.empty(shape, dtype=dtype)
-    t.reshape(-1).view(torch.uint8).fill_(1 if dtype == torch.bool else 7)
+    bits(t).fill_(1 if dtype == torch.bool else 7)
     return t
 
 
