@@ -59,6 +59,33 @@ std::vector<at::Tensor> tensors_from(const py::handle& seq, const char* what) {
   return out;
 }
 
+// The same pass, borrowing (tensor_refs.h): the plan keeps a tuple of the
+// items (a snapshot: the caller may change its list), which owns every impl.
+TensorRefs borrowed_tensors_from(const py::handle& seq, const char* what) {
+  PyObject* o = seq.ptr();
+  if (!PyList_Check(o) && !PyTuple_Check(o)) return TensorRefs(seq.cast<std::vector<at::Tensor>>());
+  PyObject* items_tuple = PySequence_Tuple(o);
+  if (items_tuple == nullptr) throw py::error_already_set();
+  TensorRefs out;
+  out.borrow_from(std::shared_ptr<void>(items_tuple, [](void* p) {
+    if (!Py_IsInitialized()) return;  // at exit: the interpreter has let go of everything
+    py::gil_scoped_acquire gil;
+    Py_DECREF(static_cast<PyObject*>(p));
+  }));
+  const Py_ssize_t n = PyTuple_GET_SIZE(items_tuple);
+  PyObject** items = &PyTuple_GET_ITEM(items_tuple, 0);
+  constexpr Py_ssize_t kAhead = 16;
+  out.reserve(n);
+  for (Py_ssize_t i = 0; i < std::min(n, kAhead); ++i) prefetch_object(items[i]);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) prefetch_object(items[i + kAhead]);
+    PyObject* t = items[i];
+    TORCH_CHECK_TYPE(THPVariable_Check(t), what, " ", i, " is a ", Py_TYPE(t)->tp_name, ", not a torch.Tensor");
+    out.borrow(THPVariable_Unpack(t).unsafeGetTensorImpl());
+  }
+  return out;
+}
+
 Plan build_plan(
     const py::handle& tensors,
     const std::vector<std::string>& names,
@@ -75,7 +102,7 @@ Plan build_plan(
   o.coalesce_bytes = coalesce_bytes;
   o.rank = rank;
   o.small_inplace_max = small_inplace_max;
-  return make_plan(tensors_from(tensors, "tensor"), names, o);
+  return make_plan(borrowed_tensors_from(tensors, "tensor"), names, o);
 }
 
 // Per bucket: (unique index, tensor offset, bucket offset, bytes, strided).

@@ -320,7 +320,7 @@ std::string Plan::describe(int64_t input) const {
 }
 
 Plan make_plan(
-    std::vector<at::Tensor> tensors,
+    TensorRefs tensors,
     const std::vector<std::string>& names,
     const PlanOptions& options) {
   Plan plan;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "copy_table.h"
+#include "tensor_refs.h"
 
 namespace coalesced_bcast {
 
@@ -101,7 +102,7 @@ std::vector<InputKey> keys_of(const std::vector<at::Tensor>& tensors);
 struct Plan {
   at::Device device{at::kCPU};
   PlanOptions options;
-  std::vector<at::Tensor> inputs;  // held for the plan's life: the copy table points into them
+  TensorRefs inputs;  // held for the plan's life (owned or borrowed): the copy table points into them
   std::vector<InputKey> keys;      // per input, as planned
   std::vector<std::string> names;  // per input, may be empty
   std::vector<int64_t> input_to_unique;
@@ -204,7 +205,7 @@ uint64_t layout_hash(const c10::TensorImpl& t);
 int64_t hash_words(const at::Tensor& words);
 
 Plan make_plan(
-    std::vector<at::Tensor> tensors,
+    TensorRefs tensors,
     const std::vector<std::string>& names,
     const PlanOptions& options);
 

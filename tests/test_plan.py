@@ -270,6 +270,34 @@ def test_planning_over_many_tensors_names_the_first_bad_one():
     assert (p.num_inputs, p.num_unique) == (20000, 19999)
 
 
+def test_a_plan_keeps_its_tensors_alive_through_a_snapshot_of_the_list():
+    """A plan made from a Python list borrows its tensors (no C++ reference of its own each, which torch >= 2.10
+    pays for with a Python incref) and keeps a tuple of the list's items instead: the caller may empty its list,
+    the plan still reads the tensors, and once the plan is gone so are they, with nothing left over."""
+    import gc
+    import sys
+    import weakref
+    ts = [torch.zeros(4 + i % 3) for i in range(3000)]
+    refs = [weakref.ref(t) for t in ts]
+    one = ts[1]
+    before = sys.getrefcount(one)
+    p = _C.Plan(ts, [], 4 * KIB, 2, 1 << 40, 1 << 30, 0)
+    after = sys.getrefcount(one)
+    assert after == before + 1  # the snapshot's reference
+    del one
+    ts[2].resize_(50)  # changed in place: the plan sees the very tensor
+    ts.clear()
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    assert p.check_unchanged().startswith("tensor 2 ")
+    assert p.num_inputs == 3000 and len(p.bucket_table()) == p.num_buckets
+    copy_ok = p.fingerprint()  # reads every input
+    assert copy_ok.numel() > 3000
+    del p, copy_ok
+    gc.collect()
+    assert [i for i, r in enumerate(refs) if r() is not None] == []
+
+
 @pytest.mark.skipif(not hasattr(torch, "_lazy_clone"), reason="no copy-on-write tensors in this torch")
 def test_copy_on_write_inputs_are_materialized_once():
     """A lazy clone shares its source's storage until written: planning materializes it (the sync writes
