@@ -236,14 +236,14 @@ def legacy_record_stream(tensors, bucket=250 * MiB):
             del flat
 
 
-def kept_plan():
+def kept_plan(**options):
     """Ours with a kept plan: planned (and agreed) on the first call, which is the memory window; the
     timed repetitions each cost the plan's check, one small agreement and the transfer."""
     state = {}
 
     def run(ts):
         if "plan" not in state:
-            state["plan"] = coalesced_bcast.plan_sync(ts, 0)
+            state["plan"] = coalesced_bcast.plan_sync(ts, 0, **options)
         return state["plan"].run()
     return run
 
@@ -281,6 +281,7 @@ def methods(on_gpu: bool, case: str, spec: list) -> dict:
         return m
     for b in (16, 32, 128):
         m[f"coalesced_bcast[bucket={b}M]"] = ours(bucket_bytes=b * MiB)
+    m["coalesced_bcast[kept plan, bucket=128M]"] = kept_plan(bucket_bytes=128 * MiB)
     for d in (3, 4):
         m[f"coalesced_bcast[depth={d}]"] = ours(ring_depth=d)
     m["coalesced_bcast[inplace=off]"] = ours(inplace_min_bytes=1 << 50)
