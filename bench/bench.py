@@ -279,9 +279,9 @@ def methods(on_gpu: bool, case: str, spec: list) -> dict:
         m["coalesced_bcast[sync_module]"] = module_sync(spec)
     if case in ("moe", "cnn", "moe_hf"):
         return m
-    for b in (16, 32, 128):
+    for b in (16, 32, 64):
         m[f"coalesced_bcast[bucket={b}M]"] = ours(bucket_bytes=b * MiB)
-    m["coalesced_bcast[kept plan, bucket=128M]"] = kept_plan(bucket_bytes=128 * MiB)
+    m["coalesced_bcast[kept plan, bucket=64M]"] = kept_plan(bucket_bytes=64 * MiB)
     for d in (3, 4):
         m[f"coalesced_bcast[depth={d}]"] = ours(ring_depth=d)
     m["coalesced_bcast[inplace=off]"] = ours(inplace_min_bytes=1 << 50)

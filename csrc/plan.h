@@ -19,7 +19,7 @@ namespace coalesced_bcast {
 // The library's defaults (coalesced_bcast.DEFAULT_*, which the Python layer
 // reads from here, and the perf binary's): why each value, in sync.py.
 struct PlanOptions {
-  int64_t bucket_bytes = 64 << 20;
+  int64_t bucket_bytes = 128 << 20;
   int64_t ring_depth = 2;
   int64_t inplace_min_bytes = 4 << 20;
   int64_t coalesce_bytes = int64_t{1} << 30;

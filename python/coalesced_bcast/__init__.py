@@ -27,7 +27,7 @@ from .sync import (
 )
 from . import fsdp
 from .verify import VerifyError, VerifyStats, tensor_hashes, verify_tensors
-from .state_dict import LoadStateDictError, LoadStats, load_full_state_dict
+from .state_dict import DEFAULT_LOAD_BUCKET_BYTES, LoadStateDictError, LoadStats, load_full_state_dict
 from .refit import (DEFAULT_REFIT_BUCKET_BYTES, DEFAULT_REFIT_RING_DEPTH, RefitBatch, RefitReceiver, RefitSender,
                     RefitStats, init_refit_group)
 from .install import PatchedCall, install, installed, is_installed, patched_calls, uninstall
@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_COALESCE_BYTES",
     "DEFAULT_INPLACE_MIN_BYTES",
+    "DEFAULT_LOAD_BUCKET_BYTES",
     "DEFAULT_RING_DEPTH",
     "SyncPlan",
     "SyncStats",

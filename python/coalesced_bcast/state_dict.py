@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from . import _C, _dtensor
 from .agree import host_reads_wait, payload_broadcast
-from .sync import DEFAULT_BUCKET_BYTES, DEFAULT_RING_DEPTH, _group_src, _resolve_group, gc_paused
+from .sync import DEFAULT_RING_DEPTH, _group_src, _resolve_group, gc_paused
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,12 @@ class LoadStats:
     direct_buckets: int = 0
 
 
+#: A load's ring slot. Half a sync's: a load's bytes all go through the ring (each rank writes its own
+#: shards out of it), so its ring is always allocated whole, and 128 MiB buckets bought no clear gain
+#: there (2x H200, 2026-12-01, bench/results/fsdp2_h200.jsonl: Llama-8B and MoE from pinned memory
+#: within 1%, a pageable Llama-8B source slower).
+DEFAULT_LOAD_BUCKET_BYTES: int = 64 << 20
+
 @gc_paused
 def load_full_state_dict(
     model: nn.Module,
@@ -80,7 +86,7 @@ def load_full_state_dict(
     group: Optional[dist.ProcessGroup] = None,
     strict: bool = True,
     *,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int = DEFAULT_LOAD_BUCKET_BYTES,
     ring_depth: int = DEFAULT_RING_DEPTH,
     copy_threads: Optional[int] = None,
     progress_seconds: float = 5.0,

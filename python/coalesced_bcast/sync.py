@@ -21,10 +21,13 @@ logger = logging.getLogger(__name__)
 
 # The defaults live in the C++ core (csrc/plan.h), which the perf binary shares.
 #: Bytes per ring slot. Large enough that a bucket's broadcast runs near link speed on NVLink and its
-#: fixed costs (an NCCL launch, two events, a copy kernel's start) are small beside it, small enough
-#: that the whole ring (x ring depth) stays far below a layer's size. On 2x H200 (torch 2.11, NCCL
-#: 2.28.9, 2026-12-01) 16k small tensors with a kept plan took 5.10 ms at 32 MiB and 4.45 ms at 64 MiB
-#: (each bucket cost ~20 us beyond its bytes: bench/trace_pipeline.py).
+#: fixed costs (an NCCL launch, two events, a copy kernel's start, the host's enqueue) are small beside
+#: it, small enough that the whole ring (x ring depth) stays far below a layer's size. The ring is only
+#: as large as the bytes that go through it: a state of large tensors (broadcast in place) or a few
+#: small ones never allocates it whole. On 2x H200 (torch 2.11, NCCL 2.28.9) 16k small tensors with a
+#: kept plan took 5.10 ms at 32 MiB and 4.45 ms at 64 MiB (2026-12-01), and 4.46 ms at 64 MiB against
+#: 3.98 at 128 MiB in one run (2026-12-04; one-shot 7.61 against 6.16 ms): each bucket costs ~20 us
+#: beyond its bytes on the GPU (bench/trace_pipeline.py) and ~100 us of the host's enqueue.
 DEFAULT_BUCKET_BYTES: int = _C.defaults["bucket_bytes"]
 #: Ring slots: one being packed or unpacked while another is on the wire. A bucket's copy takes a
 #: fraction of its broadcast (64 MiB: ~60 us against ~200 us on H200), so a third slot bought
