@@ -351,6 +351,7 @@ def _module_slots(module: nn.Module, include_buffers: bool, *, dedupe: bool = Fa
     return owners, keys, tensors
 
 
+@gc_paused
 def sync_module(
     module: nn.Module,
     src: int = 0,
