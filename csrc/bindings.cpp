@@ -32,35 +32,39 @@ using namespace coalesced_bcast;
 
 namespace {
 
-// The tensors of a Python list or tuple, in one pass that prefetches ahead:
-// each item's PyObject, then the TensorImpl it holds (taking a reference
-// writes there). pybind's own conversion touches one cold object after the
-// other and waits on memory at each (a model's tensors were made between other
-// allocations). One H200, 16k and 64k GPU tensors, caches swept first: a plan
-// from a list 255-294 -> 170-269 ns a tensor at the median.
-std::vector<at::Tensor> tensors_from(const py::handle& seq, const char* what) {
-  PyObject* o = seq.ptr();
-  if (!PyList_Check(o) && !PyTuple_Check(o)) return seq.cast<std::vector<at::Tensor>>();
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
-  PyObject** items = PySequence_Fast_ITEMS(o);
+// The tensors of a Python list or tuple's items, in one pass that prefetches
+// ahead: each item's PyObject, then (where `touch_impl`: taking a reference
+// writes there) the TensorImpl it holds. pybind's own conversion touches one
+// cold object after the other and waits on memory at each (a model's tensors
+// were made between other allocations). One H200, 16k and 64k GPU tensors,
+// caches swept first: a plan from a list 255-294 -> 170-269 ns a tensor at the median.
+template <typename Take>
+void for_tensor_items(PyObject** items, Py_ssize_t n, const char* what, bool touch_impl, Take take) {
   constexpr Py_ssize_t kAhead = 16;
-  std::vector<at::Tensor> out;
-  out.reserve(n);
   for (Py_ssize_t i = 0; i < std::min(n, 2 * kAhead); ++i) prefetch_object(items[i]);
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (i + 2 * kAhead < n) prefetch_object(items[i + 2 * kAhead]);
-    if (i + kAhead < n && THPVariable_Check(items[i + kAhead])) {
+    if (touch_impl && i + kAhead < n && THPVariable_Check(items[i + kAhead])) {
       prefetch_impl(THPVariable_Unpack(items[i + kAhead]).unsafeGetTensorImpl());
     }
     PyObject* t = items[i];
     TORCH_CHECK_TYPE(THPVariable_Check(t), what, " ", i, " is a ", Py_TYPE(t)->tp_name, ", not a torch.Tensor");
-    out.push_back(THPVariable_Unpack(t));
+    take(THPVariable_Unpack(t));
   }
+}
+
+std::vector<at::Tensor> tensors_from(const py::handle& seq, const char* what) {
+  PyObject* o = seq.ptr();
+  if (!PyList_Check(o) && !PyTuple_Check(o)) return seq.cast<std::vector<at::Tensor>>();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+  std::vector<at::Tensor> out;
+  out.reserve(n);
+  for_tensor_items(PySequence_Fast_ITEMS(o), n, what, true, [&](const at::Tensor& t) { out.push_back(t); });
   return out;
 }
 
-// The same pass, borrowing (tensor_refs.h): the plan keeps a tuple of the
-// items (a snapshot: the caller may change its list), which owns every impl.
+// The same, borrowing (tensor_refs.h): the plan keeps a tuple of the items (a
+// snapshot: the caller may change its list), which owns every impl.
 TensorRefs borrowed_tensors_from(const py::handle& seq, const char* what) {
   PyObject* o = seq.ptr();
   if (!PyList_Check(o) && !PyTuple_Check(o)) return TensorRefs(seq.cast<std::vector<at::Tensor>>());
@@ -73,16 +77,9 @@ TensorRefs borrowed_tensors_from(const py::handle& seq, const char* what) {
     Py_DECREF(static_cast<PyObject*>(p));
   }));
   const Py_ssize_t n = PyTuple_GET_SIZE(items_tuple);
-  PyObject** items = &PyTuple_GET_ITEM(items_tuple, 0);
-  constexpr Py_ssize_t kAhead = 16;
   out.reserve(n);
-  for (Py_ssize_t i = 0; i < std::min(n, kAhead); ++i) prefetch_object(items[i]);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) prefetch_object(items[i + kAhead]);
-    PyObject* t = items[i];
-    TORCH_CHECK_TYPE(THPVariable_Check(t), what, " ", i, " is a ", Py_TYPE(t)->tp_name, ", not a torch.Tensor");
-    out.borrow(THPVariable_Unpack(t).unsafeGetTensorImpl());
-  }
+  for_tensor_items(&PyTuple_GET_ITEM(items_tuple, 0), n, what, false,
+                   [&](const at::Tensor& t) { out.borrow(t.unsafeGetTensorImpl()); });
   return out;
 }
 

@@ -59,7 +59,6 @@ class TensorRefs : public std::vector<at::Tensor> {
   void borrow(c10::TensorImpl* impl) {
     push_back(at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim(impl)));
   }
-  bool borrowed() const { return owner_ != nullptr; }
 
  private:
   // Borrowed elements are released without a decref (they took none), then the owner goes.
