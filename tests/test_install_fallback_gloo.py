@@ -2,6 +2,9 @@
 rank alike, and records why: a group torch.distributed does not know (made by hand, as torch's own c10d
 tests make them), a ProcessGroup implemented in Python, and torch's multi-threaded test group. All still
 sync bitwise, as torch's path does; a registered group is still served."""
+import contextlib
+
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -143,3 +146,59 @@ def test_ddp_init_over_torchs_threaded_test_group_falls_back():
     calls = coalesced_bcast.patched_calls()
     assert [c.site for c in calls] == ["ddp"] * world and all(c.stats is None for c in calls), calls
     assert all("ProcessLocalGroup" in c.fallback for c in calls), calls
+
+
+def _conv_net(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Conv2d(8, 4, 1))
+
+
+def _ddp_check_fails_body(rank, world_size, use_install):
+    """torch's test_c10d_nccl::test_param_layout_mismatch_error over gloo: rank 1's parameters are
+    channels_last, so DDP's own check raises there, before the sync, while rank 0 passes it and syncs.
+    Outcome with torch's path: rank 0's DDP is made (its broadcast waits for a peer), rank 1 raises
+    torch's error. install() must give the same, not leave rank 0 in the agreement until the timeout."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = _conv_net(rank)
+    if rank == 1:
+        model = model.to(memory_format=torch.channels_last)
+    coalesced_bcast.patched_calls(clear=True)
+    with coalesced_bcast.installed() if use_install else contextlib.nullcontext():
+        if rank == 0:
+            DDP(model)
+        else:
+            with pytest.raises(RuntimeError, match="appears not to match strides of the same param in process 0"):
+                DDP(model)
+            # What rank 0's handed-back sync waits for: torch's own buckets of the same bytes.
+            states = [*(p.detach() for p in model.parameters()), *(b.detach() for b in model.buffers())]
+            dist._broadcast_coalesced(dist.group.WORLD, states, 250 * 2**20, 0)
+    calls = coalesced_bcast.patched_calls()
+    if use_install:
+        assert [c.site for c in calls] == ["ddp"] and calls[0].stats is None, calls
+        assert "raised in DDP's check that its parameters match rank 0's" in calls[0].fallback, calls
+    else:
+        assert calls == []
+
+
+@pytest.mark.parametrize("use_install", [False, True], ids=["torch", "installed"])
+def test_a_rank_that_fails_ddps_parameter_check_leaves_rank_0_to_torchs_sync(use_install):
+    run_ranks(2, _ddp_check_fails_body, use_install, timeout=60)
+
+
+def _ddp_counts_differ_body(rank, world_size):
+    """A rank with an extra layer: DDP's check raises on every rank (the counts are all-gathered); with
+    install() every rank raises torch's own error, as without it."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = _conv_net(0)
+    if rank == 1:
+        model.append(nn.Conv2d(4, 4, 1))
+    coalesced_bcast.patched_calls(clear=True)
+    with coalesced_bcast.installed():
+        with pytest.raises(RuntimeError, match="DDP expects same model across all ranks"):
+            DDP(model)
+    calls = coalesced_bcast.patched_calls()
+    assert [c.site for c in calls] == ["ddp"] and "DDP's check" in calls[0].fallback, calls
+
+
+def test_ranks_that_all_fail_ddps_parameter_check_raise_torchs_error():
+    run_ranks(2, _ddp_counts_differ_body, timeout=60)

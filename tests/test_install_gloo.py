@@ -163,7 +163,7 @@ def test_uninstall_restores_torch():
     names = [(fsdp_init, "_sync_module_params_and_buffers"), (fsdp_init, "_sync_params_and_buffers"),
              (fsdp_init, "_check_module_states_for_sync_module_states"),
              (fsdp_init, "_materialize_with_param_init_fn"), (FlatParamHandle, "flatten_tensors"),
-             (ddp_mod, "_sync_module_states")]
+             (ddp_mod, "_sync_module_states"), (ddp_mod, "_verify_param_shape_across_processes")]
     originals = [getattr(m, n) for m, n in names]
     assert not coalesced_bcast.is_installed()
     patched = coalesced_bcast.install()
@@ -190,7 +190,7 @@ def test_install_names_what_this_torch_lacks(monkeypatch, caplog):
     torch_ddp = ddp_mod._sync_module_states
     with caplog.at_level(logging.INFO, logger="coalesced_bcast"):
         with coalesced_bcast.installed() as patched:
-            assert len(patched) == 5 and ddp_mod._sync_module_states is not torch_ddp
+            assert len(patched) == 6 and ddp_mod._sync_module_states is not torch_ddp
     missing = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(missing) == 1 and "_check_module_states_for_sync_module_states" in missing[0] \
         and torch.__version__ in missing[0], missing

@@ -27,7 +27,7 @@ def _body(rank, world_size):
     patched = coalesced_bcast.install()
     try:
         assert _FSDP1 not in sys.modules, "install() imported FSDP1"
-        assert len(patched) == 6 and coalesced_bcast.is_installed(), patched
+        assert len(patched) == 7 and coalesced_bcast.is_installed(), patched
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import _init_utils
         from torch.distributed.fsdp._flat_param import FlatParamHandle

@@ -15,6 +15,8 @@ patching ``torch.distributed.utils`` alone would not reach FSDP1, whose ``_init_
 - ``torch.distributed.fsdp._flat_param.FlatParamHandle.flatten_tensors``: such a buffer becomes the
   unit's FlatParameter without a copy.
 - ``torch.nn.parallel.distributed._sync_module_states``: DDP's init (and join) sync.
+- ``torch.nn.parallel.distributed._verify_param_shape_across_processes``: DDP's check before it; a rank
+  that fails it tells the others' agreement, so that they hand the sync to torch instead of waiting.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import fsdp as _fsdp
-from .agree import AgreementError
+from .agree import AgreementError, check_agreement
 from .sync import SyncStats, broadcast_tensors
 
 logger = logging.getLogger(__name__)
@@ -121,7 +123,15 @@ _HANDED_BACK = {
         "some rank's parameters or buffers include different views of overlapping memory (a buffer that is a "
         "view of a parameter)",
     "has a lazy conjugate or negative bit": "some rank's parameters or buffers have a lazy conjugate or negative bit",
+    # _ddp_verify_params' refusal (the words of _DDP_CHECK_FAILED)
+    "raised in DDP's check that every rank's parameters match rank 0's":
+        "a rank raised in DDP's check that its parameters match rank 0's (sizes, strides or count), so it never "
+        "calls the sync; torch's function queues the source's broadcast as torch's own init does",
 }
+
+
+def _handed_back_reason(e: AgreementError) -> Optional[str]:
+    return next((why for words, why in _HANDED_BACK.items() if words in str(e)), None)
 
 
 def _send_or_hand_back(site: str, send: Callable[[], SyncStats], torch_own: Callable[[], Any]) -> Any:
@@ -130,7 +140,7 @@ def _send_or_hand_back(site: str, send: Callable[[], SyncStats], torch_own: Call
     try:
         stats = send()
     except AgreementError as e:
-        reason = next((why for words, why in _HANDED_BACK.items() if words in str(e)), None)
+        reason = _handed_back_reason(e)
         if reason is None:
             raise
         _fall_back(site, reason)
@@ -327,6 +337,41 @@ def _ddp_sync_module_states(original: Callable, module: nn.Module, process_group
                          broadcast_buffers))
 
 
+_DDP_CHECK_FAILED = "raised in DDP's check that every rank's parameters match rank 0's"
+#: torch's words when that check finds a difference (reducer.cpp, verify_params_across_processes: the count
+#: on every rank, sizes and strides on the ranks other than 0)
+_DDP_MISMATCH = ("appears not to match sizes of the same param", "appears not to match strides of the same param",
+                 "DDP expects same model across all ranks")
+
+
+def _ddp_verify_params(original: Callable, process_group: dist.ProcessGroup, tensors: list[torch.Tensor],
+                       logger: Any = None) -> None:
+    """Wraps DDP's check that every rank's parameters match rank 0's (the step before its init sync).
+
+    torch raises that mismatch of sizes or strides on the ranks that differ, not on rank 0 (which only
+    broadcasts its own), so rank 0 goes on to the sync alone: torch's NCCL path queues a broadcast and
+    returns, ours would wait in the agreement for a rank that never comes. So a rank that raises there
+    joins that agreement first, with its error as its refusal: every rank then hands the sync to torch
+    (_HANDED_BACK), and this rank raises torch's error as before. Only where this rank would have been
+    served (every rank decides alike from the group and the device type), so that the others do run
+    our agreement.
+    """
+    try:
+        return original(process_group, tensors, logger)
+    except RuntimeError as e:
+        if not any(words in str(e) for words in _DDP_MISMATCH):
+            raise  # a collective that failed, ...: no agreement would be joined either
+        pg = _group(process_group)
+        if _fallback_reason(pg, tensors) is not None or len({t.device for t in tensors}) > 1:
+            raise
+        refusal = ValueError(f"rank {dist.get_rank()} {_DDP_CHECK_FAILED}, before the sync: {e}")
+        try:
+            check_agreement(None, refusal, pg, 0, [])
+        except AgreementError as verdict:
+            _fall_back("ddp", _handed_back_reason(verdict) or str(verdict))
+        raise
+
+
 # --------------------------------------------------------------------------------------- install API
 
 _REPLACEMENTS: list[tuple[str, str, Callable, str]] = [
@@ -341,6 +386,8 @@ _REPLACEMENTS: list[tuple[str, str, Callable, str]] = [
     (_FLAT + ".FlatParamHandle", "flatten_tensors", _fsdp_flatten_tensors,
      "FSDP1 copies each unit to flatten it"),
     (_DDP, "_sync_module_states", _ddp_sync_module_states, "DDP's init sync keeps torch's broadcast"),
+    (_DDP, "_verify_param_shape_across_processes", _ddp_verify_params,
+     "a rank that fails DDP's parameter check leaves rank 0 waiting in the agreement until the group's timeout"),
 ]
 
 
