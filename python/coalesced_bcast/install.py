@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import fsdp as _fsdp
-from .agree import AgreementError, check_agreement
+from .agree import AgreementError, CollectiveError, check_agreement
 from .sync import SyncStats, broadcast_tensors
 
 logger = logging.getLogger(__name__)
@@ -345,7 +345,7 @@ _DDP_MISMATCH = ("appears not to match sizes of the same param", "appears not to
 
 
 def _ddp_verify_params(original: Callable, process_group: dist.ProcessGroup, tensors: list[torch.Tensor],
-                       logger: Any = None) -> None:
+                       logger: Any = None) -> None:  # noqa: shadows the module's: torch's keyword
     """Wraps DDP's check that every rank's parameters match rank 0's (the step before its init sync).
 
     torch raises that mismatch of sizes or strides on the ranks that differ, not on rank 0 (which only
@@ -354,7 +354,8 @@ def _ddp_verify_params(original: Callable, process_group: dist.ProcessGroup, ten
     joins that agreement first, with its error as its refusal: every rank then hands the sync to torch
     (_HANDED_BACK), and this rank raises torch's error as before. Only where this rank would have been
     served (every rank decides alike from the group and the device type), so that the others do run
-    our agreement.
+    our agreement. One case it cannot see: rank 0's buffers on another device than its parameters send
+    rank 0's sync to torch, and this rank then waits for it until the group's timeout before raising.
     """
     try:
         return original(process_group, tensors, logger)
@@ -369,6 +370,10 @@ def _ddp_verify_params(original: Callable, process_group: dist.ProcessGroup, ten
             check_agreement(None, refusal, pg, 0, [])
         except AgreementError as verdict:
             _fall_back("ddp", _handed_back_reason(verdict) or str(verdict))
+        except CollectiveError as lost:  # rank 0 did not come (its states' devices sent it to torch): torch's error
+            logging.getLogger(__name__).warning(
+                "coalesced_bcast: rank %d failed DDP's parameter check and rank 0 did not reach the sync's "
+                "agreement: %s", dist.get_rank(), lost)
         raise
 
 
