@@ -248,6 +248,19 @@ def kept_plan(**options):
     return run
 
 
+def ring_after_agreement(fn):
+    """fn with the sync's ring made after the agreement (COALESCED_BCAST_PREPARE=0, as before PreparedRun),
+    for the A/B beside the default rows in the same run."""
+    def run(ts):
+        was = coalesced_bcast.sync._PREPARE
+        coalesced_bcast.sync._PREPARE = False
+        try:
+            return fn(ts)
+        finally:
+            coalesced_bcast.sync._PREPARE = was
+    return run
+
+
 def module_sync(spec: list):
     """sync_module of the tensors as a module tree (module_of, built on the first call)."""
     state = {}
@@ -266,6 +279,8 @@ def methods(on_gpu: bool, case: str, spec: list) -> dict:
         "per_tensor": per_tensor,
         "coalesced_bcast": ours(),
         "coalesced_bcast[kept plan]": kept_plan(),
+        "coalesced_bcast[ring after agreement]": ring_after_agreement(ours()),
+        "coalesced_bcast[kept plan, ring after agreement]": ring_after_agreement(kept_plan()),
     }
     # (A/B rows of the comm lanes' priority and the copy kernels' grid ran on 2026-12-01: no gain;
     # bench/results/sync_h200_32M_buckets.md. bench/trace_pipeline.py shows where a bucket's time goes.)

@@ -511,6 +511,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       m, "HostReads", "The copies of a load source's host memory still running after its broadcast returned")
       .def("wait", &HostReads::wait, py::call_guard<py::gil_scoped_release>(),
            "Until they are done; past the call's deadline raises (what they read is then kept)");
+  py::class_<PreparedRun>(m, "PreparedRun",
+                          "A sync's ring allocated, its table uploaded and (on the source) its first buckets packed "
+                          "before the agreement (csrc/pipeline.h); dropped unused, what it queued is ordered "
+                          "before the caller's stream and the ring freed");
   py::class_<Plan>(m, "Plan")
       .def(py::init(&build_plan), py::arg("tensors"), py::arg("names"), py::arg("bucket_bytes"),
            py::arg("ring_depth"), py::arg("inplace_min_bytes"), py::arg("coalesce_bytes"), py::arg("rank"),
@@ -565,11 +569,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "'' while every input still holds the bytes, shape and dtype it was planned with; else what changed")
       .def("restrict_routes", &Plan::restrict_routes, py::arg("allowed"))
       .def("bucket_table", &bucket_table)
+      .def_property_readonly("can_prepare", [](const Plan& p) { return can_prepare(p); })
+      .def(
+          "prepare",
+          [](const Plan& plan, bool is_src) {
+            py::gil_scoped_release release;
+            return std::make_unique<PreparedRun>(plan, is_src);
+          },
+          py::arg("is_src"), py::keep_alive<0, 1>(),
+          "the ring made (and on the source the first buckets packed) before the agreement: for broadcast()")
       .def(
           "broadcast",
           [](const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t src, double timeout_s,
              std::optional<py::function> progress, double progress_seconds, std::optional<py::function> hook,
-             bool leave_host_reads) -> py::tuple {
+             bool leave_host_reads, PreparedRun* prepared) -> py::tuple {
             const auto timeout = to_timeout(timeout_s);
             const auto h = as_hook(hook);
             Progress p;
@@ -583,13 +596,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             RunStats stats;
             {
               py::gil_scoped_release release;
-              stats = broadcast_plan(plan, pg, src, timeout, p, h, leave_host_reads);
+              stats = broadcast_plan(plan, pg, src, timeout, p, h, leave_host_reads, prepared);
             }
             if (!leave_host_reads) return py::make_tuple(stats.seconds, stats.ring_bytes, stats.host_ring_bytes);
             return py::make_tuple(stats.seconds, stats.ring_bytes, stats.host_ring_bytes, stats.host_reads);
           },
           py::arg("group"), py::arg("src"), py::arg("timeout_s") = 0.0, py::arg("progress") = py::none(),
           py::arg("progress_seconds") = 0.0, py::arg("hook") = py::none(), py::arg("leave_host_reads") = false,
-          "with leave_host_reads, a fourth value: the copies of the source's host memory still running "
+          py::arg("prepared") = nullptr,
+          "prepared: from prepare(), on the same plan and layout. With leave_host_reads, a fourth value: the copies of the source's host memory still running "
           "(HostReads, or None), for the caller to wait() on before it returns");
 }

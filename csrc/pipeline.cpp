@@ -53,7 +53,60 @@ void finish(const Plan& plan, bool is_src, RunStats& stats, std::chrono::steady_
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// The ring and its copy table: one allocation, made on the caller's stream;
+// when it is freed (at return, on an error, or with a PreparedRun dropped),
+// the caller's stream has already been ordered after every use of it (exec.end()).
+at::Tensor make_arena(const Plan& plan, Executor& exec) {
+  // Direct buckets (direct.cpp) use no slot: when every bucket is one, there is no ring.
+  const bool all_direct = plan.direct_buckets == static_cast<int64_t>(plan.buckets.size());
+  const int64_t ring_bytes = all_direct ? 0 : plan.ring_slots * plan.slot_bytes;
+  auto arena = at::empty({ring_bytes + exec.table_bytes()}, at::TensorOptions().dtype(at::kByte).device(plan.device));
+  exec.set_table(arena.narrow(0, ring_bytes, exec.table_bytes()));
+  return arena;
+}
+
+at::Tensor slot_of(const Plan& plan, const at::Tensor& arena, int64_t k) {
+  return arena.narrow(0, (k % plan.ring_slots) * plan.slot_bytes, plan.buckets[k].nbytes);
+}
+
 }  // namespace
+
+bool can_prepare(const Plan& plan) {
+  return !plan.is_load && !plan.is_refit && !plan.buckets.empty() && plan.ring_slots > 0 &&
+      plan.direct_buckets < static_cast<int64_t>(plan.buckets.size());
+}
+
+PreparedRun::PreparedRun(const Plan& p, bool src)
+    : plan(&p), generation(p.layout_generation), is_src(src), device(p.device) {
+  TORCH_CHECK(can_prepare(p), "a run is prepared only for a sync's plan with buckets through the ring");
+  c10::DeviceGuard device_guard(device);
+  at::NoGradGuard no_grad;
+  exec = make_executor(p);
+  exec->begin();
+  try {
+    arena = make_arena(p, *exec);
+    const int64_t n = std::min<int64_t>(p.ring_slots, static_cast<int64_t>(p.buckets.size()));
+    for (int64_t k = 0; is_src && k < n; ++k) {
+      if (p.buckets[k].direct_tensor >= 0) continue;
+      exec->wait(Lane::kCopy, k % p.ring_slots);
+      exec->pack(k, slot_of(p, arena, k));
+      exec->signal(Lane::kCopy, k % p.ring_slots);
+    }
+    packed = is_src ? n : 0;
+  } catch (...) {
+    exec->end(/*unwinding=*/true);
+    throw;
+  }
+}
+
+PreparedRun::~PreparedRun() {
+  if (!exec) return;
+  try {
+    c10::DeviceGuard device_guard(device);
+    exec->end(/*unwinding=*/true);
+  } catch (...) {  // a destructor does not throw: what end() would report, the run that failed has
+  }
+}
 
 RunStats broadcast_plan(
     const Plan& plan,
@@ -62,7 +115,8 @@ RunStats broadcast_plan(
     std::chrono::milliseconds timeout,
     const Progress& progress,
     const BucketHook& hook,
-    bool leave_host_reads) {
+    bool leave_host_reads,
+    PreparedRun* prepared) {
   const auto t0 = std::chrono::steady_clock::now();
   TORCH_CHECK_VALUE(
       src >= 0 && src < pg->getSize(), "src must be a rank of the group (0..", pg->getSize() - 1, "), got ", src,
@@ -164,13 +218,24 @@ RunStats broadcast_plan(
     return stats;
   }
 
-  auto exec = make_executor(plan);
-  if (timeout.count() > 0) exec->set_deadline(deadline, pg->getRank());
-  exec->begin();
-  // The ring and its copy table: one allocation, made on the caller's stream;
-  // when it is freed at return (or on an error), the caller's stream has
-  // already been ordered after every use of it (exec->end()).
+  std::unique_ptr<Executor> exec;
   at::Tensor arena;
+  int64_t prepacked = 0;  // the source's buckets packed before the agreement
+  if (prepared != nullptr && prepared->exec) {
+    TORCH_CHECK(
+        prepared->plan == &plan && prepared->generation == plan.layout_generation && prepared->is_src == is_src &&
+            !hook && !leave_host_reads,
+        "a prepared run belongs to another plan, layout or rank, got one of generation ", prepared->generation,
+        " for layout ", plan.layout_generation);
+    exec = std::move(prepared->exec);
+    arena = std::move(prepared->arena);
+    prepacked = prepared->packed;
+    if (timeout.count() > 0) exec->set_deadline(deadline, pg->getRank());
+  } else {
+    exec = make_executor(plan);
+    if (timeout.count() > 0) exec->set_deadline(deadline, pg->getRank());
+    exec->begin();
+  }
   const bool report = is_src && progress.report;
   const auto every = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
       std::chrono::duration<double>(progress.every));
@@ -181,19 +246,15 @@ RunStats broadcast_plan(
       c10::OptionalStreamGuard comm(exec->stream(Lane::kComm));
       send_inplace();
     }
-    // Direct buckets (direct.cpp) use no slot: when every bucket is one, there is no ring.
-    const bool all_direct = plan.direct_buckets == static_cast<int64_t>(plan.buckets.size());
-    const int64_t ring_bytes = all_direct ? 0 : plan.ring_slots * plan.slot_bytes;
-    arena = at::empty({ring_bytes + exec->table_bytes()}, at::TensorOptions().dtype(at::kByte).device(plan.device));
+    if (!arena.defined()) arena = make_arena(plan, *exec);
     stats.ring_bytes = arena.numel();
-    exec->set_table(arena.narrow(0, ring_bytes, exec->table_bytes()));
     for (int64_t k = 0; k < static_cast<int64_t>(plan.buckets.size()); ++k) {
       const int64_t s = k % plan.ring_slots;
       // A direct bucket is broadcast from or into the tensors' own memory: no slot, no pack or unpack.
       const bool direct = plan.buckets[k].direct_tensor >= 0;
-      auto slot = direct ? direct_bytes(plan, k) : arena.narrow(0, s * plan.slot_bytes, plan.buckets[k].nbytes);
+      auto slot = direct ? direct_bytes(plan, k) : slot_of(plan, arena, k);
       throttle.before_next("bucket", k, plan.buckets.size());
-      if (is_src && !direct) {
+      if (is_src && !direct && k >= prepacked) {
         exec->wait(Lane::kCopy, s);
         exec->pack(k, slot);
         exec->signal(Lane::kCopy, s);

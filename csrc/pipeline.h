@@ -45,6 +45,37 @@ inline bool group_serves(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, c10::
 // slot is reused. A refit's receivers hand the slot to the engine this way.
 using BucketHook = std::function<void(int64_t bucket, const at::Tensor& slot)>;
 
+class Executor;  // executor.h
+
+// A sync's ring made before the agreement, on every rank: its memory
+// allocated and its copy table uploaded, and on the source its first buckets
+// packed (one per slot). None of it moves a byte between ranks, so it can
+// precede the agreement: a rank that cannot get its ring (out of memory) says
+// so there and every rank raises, instead of failing alone after it while the
+// others wait; and on CUDA the upload and the packs run while the host
+// agrees, so the first broadcast need not wait for them. Taken by the
+// broadcast_plan that follows, or dropped (the agreement failed, or laid the
+// buckets out again): the caller's stream is then ordered after what it
+// queued, and the ring is freed.
+struct PreparedRun {
+  PreparedRun(const Plan& plan, bool is_src);
+  ~PreparedRun();
+  PreparedRun(const PreparedRun&) = delete;
+  PreparedRun& operator=(const PreparedRun&) = delete;
+
+  const Plan* plan;
+  int64_t generation;  // the plan's layout_generation when made
+  bool is_src;
+  c10::Device device;
+  std::unique_ptr<Executor> exec;  // null once taken
+  at::Tensor arena;
+  int64_t packed = 0;  // the source's buckets [0, packed) are in their slots (direct ones need none)
+};
+
+// Whether a plan's run can be prepared: a sync's (not a load's or a refit's)
+// with buckets through the ring.
+bool can_prepare(const Plan& plan);
+
 RunStats broadcast_plan(
     const Plan& plan,
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
@@ -52,7 +83,8 @@ RunStats broadcast_plan(
     std::chrono::milliseconds timeout,
     const Progress& progress = {},
     const BucketHook& hook = {},
-    bool leave_host_reads = false);
+    bool leave_host_reads = false,
+    PreparedRun* prepared = nullptr);
 
 // A refit's sending side (make_refit_plan), on every trainer rank: per bucket
 // the trainer ranks' chunks are gathered to the sender over `trainer` (null:

@@ -282,6 +282,7 @@ void lay_out(Plan& plan) {
   lay_out_buckets(plan);
   validate_copy_table(plan);
   plan.routes_hash = hash_routes(plan);
+  ++plan.layout_generation;
 }
 
 }  // namespace

@@ -124,6 +124,9 @@ struct Plan {
   // every run. fp_hash covers what fingerprint() holds (ranks compare it first).
   int64_t fp_hash = 0;
   int64_t routes_hash = 0;
+  // Bumped each time the buckets are laid out (again): a source's buckets
+  // packed ahead (pipeline.h, PreparedSource) belong to one layout.
+  int64_t layout_generation = 0;
   // Dense tensors' bytes go as they lie (in place or copied whole into
   // buckets) rather than element by element in logical order. Only safe while
   // every rank has the same layouts: the routes' hash covers them, and a

@@ -205,6 +205,39 @@ def test_kept_plan_on_gpus():
     run_ranks(2, _kept_plan_body, backend="nccl", timeout=300)
 
 
+def _ring_before_agreement_body(rank, world_size):
+    """The ring is made, and the source's first buckets packed, before the agreement (PreparedRun): when the
+    agreement then fails, nothing is written, the ring goes back, and the next sync is bitwise; a rank that
+    cannot make its ring refuses there, on every rank."""
+    dev = torch.device("cuda", rank)
+    tensors = [torch.full((1000 + i,), float(rank + 1), device=dev) for i in range(300)]
+    extra = [torch.zeros(5, device=dev)] if rank == 1 else []  # one rank more: a mismatch
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    with pytest.raises(coalesced_bcast.AgreementError, match="source has 300 tensors, rank 1 has 301"):
+        coalesced_bcast.broadcast_tensors(tensors + extra, src=0)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == base, "the ring made before a failed agreement was not returned"
+    assert all(bool((t == rank + 1).all()) for t in tensors), f"rank {rank}: written before the agreement"
+    prepare = coalesced_bcast._C.Plan.prepare
+    if rank == 1:
+        def no_memory(plan, is_src):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 MiB (a test's refusal)")
+        coalesced_bcast._C.Plan.prepare = no_memory
+    try:
+        with pytest.raises(coalesced_bcast.AgreementError, match="rank 1 could not make its ring"):
+            coalesced_bcast.broadcast_tensors(tensors, src=0)
+    finally:
+        coalesced_bcast._C.Plan.prepare = prepare
+    stats = coalesced_bcast.broadcast_tensors(tensors, src=0)
+    torch.cuda.synchronize()
+    assert stats.buckets > 0 and all(bool((t == 1).all()) for t in tensors), f"rank {rank} differs from the source"
+
+
+def test_ring_before_agreement_on_gpus():
+    run_ranks(2, _ring_before_agreement_body, backend="nccl", timeout=300)
+
+
 def hsdp_same_outcome_body(rank, world_size, device_type="cuda"):
     """FSDP1 HYBRID_SHARD with sync_module_states on 2 ranks, meshes 1x2 (one replica sharded over both)
     and 2x1 (two replicas of one rank: FSDP1 falls back to NO_SHARD), once with torch's own sync and once

@@ -380,6 +380,36 @@ def test_bad_input_refused_everywhere():
     run_ranks(2, _bad_input_body)
 
 
+def _ring_refused_body(rank, world_size):
+    """A rank that cannot make its ring (out of memory) before the agreement refuses there: every rank raises
+    the same AgreementError naming it, nothing is written, and the next sync goes through."""
+    tensors = [_filled((300, 7), torch.float32, rank + i) for i in range(40)]  # small: through the ring
+    prepare = _C.Plan.prepare
+    if rank == 1:
+        def no_memory(plan, is_src):
+            raise torch.OutOfMemoryError("out of memory. Tried to allocate 256.00 MiB (a test's refusal)")
+        _C.Plan.prepare = no_memory
+    try:
+        _expect_refusal(rank, world_size, tensors, 0,
+                        match=r"rank 1 refused its input.*rank 1 could not make its ring.*Tried to allocate")
+    finally:
+        _C.Plan.prepare = prepare
+    stats = coalesced_bcast.broadcast_tensors(tensors, 0)
+    assert stats.buckets > 0
+    want = [_filled((300, 7), torch.float32, i) for i in range(40)]
+    assert all(same_bits(t, w) for t, w in zip(tensors, want)), f"rank {rank} differs from the source"
+    # A ring made for one plan is refused by another's broadcast, locally, before any collective.
+    a = _C.Plan(tensors, [], 1 << 20, 2, 1 << 22, 1 << 30, rank)
+    b = _C.Plan([t.clone() for t in tensors], [], 1 << 20, 2, 1 << 22, 1 << 30, rank)
+    with pytest.raises(RuntimeError, match="a prepared run belongs to another plan"):
+        a.broadcast(dist.group.WORLD, 0, prepared=b.prepare(rank == 0))
+    gc.collect()  # see _COLLECT_NOTE
+
+
+def test_a_rank_without_memory_for_its_ring_refuses_in_the_agreement():
+    run_ranks(2, _ring_refused_body)
+
+
 # ---------------------------------------------------------------------------------------------------
 # A rank that never arrives or dies: the others fail within the timeout, never hang.
 

@@ -180,7 +180,7 @@ def _run(name: str, pg: dist.ProcessGroup, timeout: Optional[timedelta], start, 
 
 
 def payload_broadcast(plan, pg: dist.ProcessGroup, src: int, timeout: Optional[float | timedelta], progress=None,
-                      progress_seconds: float = 0.0, leave_host_reads: bool = False):
+                      progress_seconds: float = 0.0, leave_host_reads: bool = False, prepared=None):
     """plan.broadcast (the C++ core), with a failure turned into a CollectiveError that says what it means.
 
     Returns (host seconds, device ring bytes, pinned host ring bytes); with leave_host_reads, a fourth value:
@@ -188,7 +188,7 @@ def payload_broadcast(plan, pg: dist.ProcessGroup, src: int, timeout: Optional[f
     timeout = as_timedelta(timeout)
     with _payload_failure(pg, timeout):
         return plan.broadcast(pg, src, timeout.total_seconds() if timeout is not None else 0.0, progress,
-                              progress_seconds, leave_host_reads=leave_host_reads)
+                              progress_seconds, leave_host_reads=leave_host_reads, prepared=prepared)
 
 
 def host_reads_wait(reads, pg: dist.ProcessGroup, timeout: Optional[float | timedelta]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,6 +19,10 @@ from .agree import as_timedelta, check_agreement, group_timeout, payload_broadca
 from .verify import verify_plan
 
 logger = logging.getLogger(__name__)
+
+#: Rings made before the agreement (csrc/pipeline.h, PreparedRun); COALESCED_BCAST_PREPARE=0 makes them after it,
+#: as before (A/B runs).
+_PREPARE = os.environ.get("COALESCED_BCAST_PREPARE", "1") != "0"
 
 # The defaults live in the C++ core (csrc/plan.h), which the perf binary shares.
 #: Bytes per ring slot. Large enough that a bucket's broadcast runs near link speed on NVLink and its
@@ -55,7 +60,7 @@ class SyncStats:
     ring_bytes: int  # device (or host, on CPU) bytes held for the ring during the call
     seconds: float  # host wall time of the whole call; CUDA work is ordered on the caller's stream
     plan_seconds: float = 0.0  # of which: planning (dedup, checks, bucket layout)
-    agree_seconds: float = 0.0  # the cross-rank agreement
+    agree_seconds: float = 0.0  # the cross-rank agreement, and making the ring before it (on CPU: the source's first packs)
     agree_wait_seconds: float = 0.0  # of which waiting for other ranks to arrive (store agreement only)
     enqueue_seconds: float = 0.0  # queueing the broadcasts (on CPU/gloo: running them)
     # tensors this rank could send in place but sent through buckets, as another rank could not
@@ -227,16 +232,31 @@ class SyncPlan:
         with group_timeout(pg, timeout):
             timing: dict = {}
             device = tensors[0].device if tensors and error is None else None
-            allowed = check_agreement(plan, error, pg, self._src_group, self._names, timeout=timeout,
-                                      device=device, timing=timing)
+            # The ring before the agreement (csrc/pipeline.h, PreparedRun): a rank that cannot have it refuses
+            # there, so that every rank raises; the source's first packs run while the ranks agree.
+            prepared = None
+            if error is None and _PREPARE and plan.can_prepare:
+                try:
+                    prepared = plan.prepare(self._rank == self.src)
+                except Exception as e:  # out of memory, mostly: a refusal, as any rank's problem before the agreement
+                    error = RuntimeError(f"rank {self._rank} could not make its ring of {plan.num_buckets} buckets "
+                                         f"(bucket_bytes={self._options['bucket_bytes']}): {e}")
+            try:
+                allowed = check_agreement(plan, error, pg, self._src_group, self._names, timeout=timeout,
+                                          device=device, timing=timing)
+            except BaseException:
+                prepared = None  # what it queued is ordered before the caller's stream, its ring freed
+                raise
             if allowed is not None:
+                prepared = None  # laid out again below: its packs are not the new buckets'
                 inplace = plan.num_inplace
                 plan.restrict_routes(allowed)
                 self._rerouted += inplace - plan.num_inplace
                 logger.debug("coalesced_bcast: %d tensors go through buckets on every rank, as some rank cannot "
                              "send them in place", inplace - plan.num_inplace)
             t_agreed, t_sent = time.perf_counter(), time.monotonic()
-            enqueue_seconds, ring_bytes, _ = payload_broadcast(plan, pg, self._src_group, timeout)
+            enqueue_seconds, ring_bytes, _ = payload_broadcast(plan, pg, self._src_group, timeout, prepared=prepared)
+            prepared = None
             if timeout is not None and tensors and tensors[0].device.type == "cuda":
                 # The transfer is queued, not done: wait for it, so that a source that stalls after the
                 # agreement is an error here within `timeout` rather than a stuck stream.
