@@ -83,6 +83,9 @@ for s in $steps; do
     planhost) step planhost 300 bash -c '
         $PY bench/plan_host.py --label current --out "$LOGS/plan_host.jsonl" || exit 1
         $PY bench/plan_host.py --label "current, 1 inter-op thread" --interop 1 --out "$LOGS/plan_host.jsonl" || exit 1
+        # A one-shot sync plans tensors the caches no longer hold: the planning pass cold, in chunks of 8192 and 2048.
+        for g in 8192 2048; do COALESCED_BCAST_PLAN_GRAIN=$g $PY bench/plan_host.py --cold --counts 16384,65536 \
+            --label "current, cold, grain $g" --out "$LOGS/plan_host.jsonl" || exit 1; done
         # AB_BASE: a tree of another revision (git archive), carried along; built and timed the same way.
         [ -n "${AB_BASE:-}" ] || exit 0
         (cd "$AB_BASE" && $PY setup.py build_ext --inplace > "$LOGS/planhost_base_build.log" 2>&1) || exit 1

@@ -68,6 +68,7 @@ def main() -> None:
         assert plan.check_unchanged() == ""
         row = {"case": "plan_host", "label": a.label, "cold": a.cold, "package": os.path.dirname(_C.__file__), "tensors": n, "device": str(device),
                "torch": torch.__version__, "interop_threads": torch.get_num_interop_threads(),
+               "plan_grain": os.environ.get("COALESCED_BCAST_PLAN_GRAIN", "8192"),
                "cpu_count": os.cpu_count(),
                "plan_ns_per_tensor_best": min(make) / n * 1e9,
                "plan_ns_per_tensor_median": statistics.median(make) / n * 1e9,
