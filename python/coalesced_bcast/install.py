@@ -112,6 +112,9 @@ def _fallback_reason(pg: dist.ProcessGroup, tensors: list[torch.Tensor]) -> Opti
     return None
 
 
+#: How _ddp_verify_params words its refusal in the agreement (it hands the sync back: _HANDED_BACK).
+_DDP_CHECK_FAILED = "raised in DDP's check that every rank's parameters match rank 0's"
+
 #: What the planner refuses (csrc/plan.cpp) and torch's path takes without an error, so that the patched calls
 #: hand it back, with the reason they record: different views of overlapping memory (a buffer that is a row or
 #: the transpose of a parameter: torch copies each view in turn, coalesced_bcast sends each byte once), and a
@@ -123,8 +126,7 @@ _HANDED_BACK = {
         "some rank's parameters or buffers include different views of overlapping memory (a buffer that is a "
         "view of a parameter)",
     "has a lazy conjugate or negative bit": "some rank's parameters or buffers have a lazy conjugate or negative bit",
-    # _ddp_verify_params' refusal (the words of _DDP_CHECK_FAILED)
-    "raised in DDP's check that every rank's parameters match rank 0's":
+    _DDP_CHECK_FAILED:  # _ddp_verify_params' refusal
         "a rank raised in DDP's check that its parameters match rank 0's (sizes, strides or count), so it never "
         "calls the sync; torch's function queues the source's broadcast as torch's own init does",
 }
@@ -337,7 +339,6 @@ def _ddp_sync_module_states(original: Callable, module: nn.Module, process_group
                          broadcast_buffers))
 
 
-_DDP_CHECK_FAILED = "raised in DDP's check that every rank's parameters match rank 0's"
 #: torch's words when that check finds a difference (reducer.cpp, verify_params_across_processes: the count
 #: on every rank, sizes and strides on the ranks other than 0)
 _DDP_MISMATCH = ("appears not to match sizes of the same param", "appears not to match strides of the same param",

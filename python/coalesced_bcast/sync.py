@@ -256,7 +256,6 @@ class SyncPlan:
                              "send them in place", inplace - plan.num_inplace)
             t_agreed, t_sent = time.perf_counter(), time.monotonic()
             enqueue_seconds, ring_bytes, _ = payload_broadcast(plan, pg, self._src_group, timeout, prepared=prepared)
-            prepared = None
             if timeout is not None and tensors and tensors[0].device.type == "cuda":
                 # The transfer is queued, not done: wait for it, so that a source that stalls after the
                 # agreement is an error here within `timeout` rather than a stuck stream.
