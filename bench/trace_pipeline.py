@@ -62,6 +62,7 @@ def methods(case, ts, device) -> dict:
     for mb in (32, 64, 128, 256):
         for depth in (2, 3):
             m[f"kept[{mb}Mx{depth}]"] = kept(ts, bucket_bytes=mb * MiB, ring_depth=depth)
+    m["kept[128Mx2, speculate]"] = kept(ts, bucket_bytes=128 * MiB, ring_depth=2, speculate=True)
     if case == "small16k":
         m["kept[timeout=60s]"] = kept_timeout(ts, 60.0)
     return m

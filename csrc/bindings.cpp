@@ -514,7 +514,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<PreparedRun>(m, "PreparedRun",
                           "A sync's ring allocated, its table uploaded and (on the source) its first buckets packed "
                           "before the agreement (csrc/pipeline.h); dropped unused, what it queued is ordered "
-                          "before the caller's stream and the ring freed");
+                          "before the caller's stream and the ring freed")
+      .def(
+          "speculate",
+          [](PreparedRun& run, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t src, double timeout_s) {
+            py::gil_scoped_release release;
+            return run.speculate(pg, src, to_timeout(timeout_s));
+          },
+          py::arg("group"), py::arg("src"), py::arg("timeout_s") = 0.0,
+          "the first buckets broadcast ring slot to ring slot, before the agreement (every rank must): how many")
+      .def_readonly("sent", &PreparedRun::sent)
+      .def_readonly("packed", &PreparedRun::packed)
+      .def_property_readonly(
+          "ring", [](const PreparedRun& run) { return run.arena; }, "the ring and copy table, one byte tensor");
   py::class_<Plan>(m, "Plan")
       .def(py::init(&build_plan), py::arg("tensors"), py::arg("names"), py::arg("bucket_bytes"),
            py::arg("ring_depth"), py::arg("inplace_min_bytes"), py::arg("coalesce_bytes"), py::arg("rank"),
@@ -570,14 +582,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("restrict_routes", &Plan::restrict_routes, py::arg("allowed"))
       .def("bucket_table", &bucket_table)
       .def_property_readonly("can_prepare", [](const Plan& p) { return can_prepare(p); })
+      .def_readonly("layout_generation", &Plan::layout_generation, "bumped each time the buckets are laid out")
       .def(
           "prepare",
-          [](const Plan& plan, bool is_src) {
+          [](const Plan& plan, bool is_src, bool pack, std::optional<at::Tensor> ring) {
             py::gil_scoped_release release;
-            return std::make_unique<PreparedRun>(plan, is_src);
+            return std::make_unique<PreparedRun>(plan, is_src, pack, ring.value_or(at::Tensor()));
           },
-          py::arg("is_src"), py::keep_alive<0, 1>(),
-          "the ring made (and on the source the first buckets packed) before the agreement: for broadcast()")
+          py::arg("is_src"), py::arg("pack") = true, py::arg("ring") = py::none(), py::keep_alive<0, 1>(),
+          "the ring made (and on the source the first buckets packed unless not pack) before the agreement: for "
+          "broadcast(). ring: one kept from an earlier run of this plan (PreparedRun.ring), not allocated anew")
       .def(
           "broadcast",
           [](const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t src, double timeout_s,

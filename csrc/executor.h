@@ -70,6 +70,9 @@ class Executor {
     return 0;
   }
   virtual void set_table(at::Tensor /*table*/) {}
+  // A ring kept across calls (speculate) is used on this call's streams: when it
+  // is finally freed, its memory must not be reused before they are done with it.
+  virtual void hold(const at::Tensor& /*ring*/) {}
   // Pinned host bytes the executor holds (a load's host stage).
   virtual int64_t host_bytes() const {
     return 0;

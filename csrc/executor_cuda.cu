@@ -21,6 +21,7 @@
 // that the copy down of one bucket overlaps the writing out of the one before.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <chrono>
@@ -144,6 +145,14 @@ class CudaExecutor final : public Executor {
     start.block(comm_);
     start.block(copy_);
     if (plan_.is_refit) start.block(send_);
+  }
+
+  // The caller's stream waits for the lanes at end(); recorded on it, the ring's free (a later call's,
+  // on whatever stream it was allocated) waits for this call's caller's stream, and so for the lanes.
+  void hold(const at::Tensor& ring) override {
+    if (ring.defined() && ring.numel() > 0) {
+      c10::cuda::CUDACachingAllocator::recordStream(ring.storage().data_ptr(), caller_);
+    }
   }
 
   void end(bool unwinding) override {

@@ -1,6 +1,7 @@
 #include "pipeline.h"
 
 #include <algorithm>
+#include <mutex>
 
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
@@ -56,17 +57,39 @@ void finish(const Plan& plan, bool is_src, RunStats& stats, std::chrono::steady_
 // The ring and its copy table: one allocation, made on the caller's stream;
 // when it is freed (at return, on an error, or with a PreparedRun dropped),
 // the caller's stream has already been ordered after every use of it (exec.end()).
-at::Tensor make_arena(const Plan& plan, Executor& exec) {
+// `kept`: a ring kept from an earlier run of the same plan (speculate), used instead of a new one.
+at::Tensor make_arena(const Plan& plan, Executor& exec, const at::Tensor& kept = {}) {
   // Direct buckets (direct.cpp) use no slot: when every bucket is one, there is no ring.
   const bool all_direct = plan.direct_buckets == static_cast<int64_t>(plan.buckets.size());
   const int64_t ring_bytes = all_direct ? 0 : plan.ring_slots * plan.slot_bytes;
-  auto arena = at::empty({ring_bytes + exec.table_bytes()}, at::TensorOptions().dtype(at::kByte).device(plan.device));
+  const int64_t total = ring_bytes + exec.table_bytes();
+  if (kept.defined()) {
+    TORCH_CHECK(kept.numel() == total && kept.scalar_type() == at::kByte && kept.device() == plan.device &&
+                    kept.is_contiguous(),
+                "a kept ring must be the plan's own (", total, " bytes on ", plan.device, "), got ", kept.numel(),
+                " bytes of ", kept.scalar_type(), " on ", kept.device());
+  }
+  auto arena = kept.defined() ? kept : at::empty({total}, at::TensorOptions().dtype(at::kByte).device(plan.device));
+  if (kept.defined()) exec.hold(kept);
   exec.set_table(arena.narrow(0, ring_bytes, exec.table_bytes()));
   return arena;
 }
 
-at::Tensor slot_of(const Plan& plan, const at::Tensor& arena, int64_t k) {
-  return arena.narrow(0, (k % plan.ring_slots) * plan.slot_bytes, plan.buckets[k].nbytes);
+// Memory that a broadcast still running may write: kept until the process ends.
+void leak(const at::Tensor& t) {
+  static auto* kept = new std::vector<at::Tensor>();
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  kept->push_back(t);
+}
+
+c10d::BroadcastOptions broadcast_options(int64_t src, std::chrono::milliseconds timeout) {
+  c10d::BroadcastOptions opts;
+  opts.rootRank = src;
+  opts.rootTensor = 0;
+  opts.timeout = timeout;
+  opts.asyncOp = false;  // why: broadcast_plan
+  return opts;
 }
 
 }  // namespace
@@ -76,7 +99,7 @@ bool can_prepare(const Plan& plan) {
       plan.direct_buckets < static_cast<int64_t>(plan.buckets.size());
 }
 
-PreparedRun::PreparedRun(const Plan& p, bool src)
+PreparedRun::PreparedRun(const Plan& p, bool src, bool pack, at::Tensor ring)
     : plan(&p), generation(p.layout_generation), is_src(src), device(p.device) {
   TORCH_CHECK(can_prepare(p), "a run is prepared only for a sync's plan with buckets through the ring");
   c10::DeviceGuard device_guard(device);
@@ -84,22 +107,65 @@ PreparedRun::PreparedRun(const Plan& p, bool src)
   exec = make_executor(p);
   exec->begin();
   try {
-    arena = make_arena(p, *exec);
+    arena = make_arena(p, *exec, ring);
     const int64_t n = std::min<int64_t>(p.ring_slots, static_cast<int64_t>(p.buckets.size()));
-    for (int64_t k = 0; is_src && k < n; ++k) {
+    for (int64_t k = 0; is_src && pack && k < n; ++k) {
       if (p.buckets[k].direct_tensor >= 0) continue;
       exec->wait(Lane::kCopy, k % p.ring_slots);
       exec->pack(k, slot_of(p, arena, k));
       exec->signal(Lane::kCopy, k % p.ring_slots);
     }
-    packed = is_src ? n : 0;
+    packed = is_src && pack ? n : 0;
   } catch (...) {
     exec->end(/*unwinding=*/true);
     throw;
   }
 }
 
+int64_t PreparedRun::speculate(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+    int64_t src,
+    std::chrono::milliseconds timeout) {
+  TORCH_CHECK(exec && sent == 0, "speculate() once, on a prepared run not yet taken");
+  TORCH_CHECK_VALUE(
+      src >= 0 && src < pg->getSize(), "src must be a rank of the group (0..", pg->getSize() - 1, "), got ", src,
+      " on rank ", pg->getRank());
+  TORCH_CHECK(is_src == (pg->getRank() == src), "a run prepared for ", is_src ? "the source" : "a receiver",
+              " speculates on rank ", pg->getRank(), " with src ", src);
+  check_backend(*plan, pg);
+  c10::DeviceGuard device_guard(device);
+  at::NoGradGuard no_grad;
+  const auto opts = broadcast_options(src, timeout);
+  const int64_t n = std::min<int64_t>(plan->ring_slots, static_cast<int64_t>(plan->buckets.size()));
+  for (int64_t k = 0; k < n && plan->buckets[k].direct_tensor < 0; ++k) {
+    const int64_t s = k % plan->ring_slots;
+    c10::OptionalStreamGuard comm(exec->stream(Lane::kComm));
+    exec->wait(Lane::kComm, s);  // the source: its pack of the slot
+    std::vector<at::Tensor> v{slot_of(*plan, arena, k)};
+    auto work = pg->broadcast(v, opts);
+    if (device.is_cuda()) {
+      if (work) work->wait();  // a stream wait (see broadcast_plan)
+    } else {
+      works.push_back(work);
+      work_timeout = timeout;
+    }
+    exec->signal(Lane::kComm, s);
+    sent = k + 1;
+  }
+  return sent;
+}
+
 PreparedRun::~PreparedRun() {
+  // gloo's threads may still write the ring (speculate()'s broadcasts of a dropped run): the ring
+  // outlives them. One that does not end within the group's timeout keeps it for the process's life.
+  for (const auto& work : works) {
+    if (!work) continue;
+    try {
+      if (!work->wait(work_timeout)) leak(arena);
+    } catch (...) {  // ended with an error (a peer's failure): the broadcast is over either way
+      if (!work->isCompleted()) leak(arena);
+    }
+  }
   if (!exec) return;
   try {
     c10::DeviceGuard device_guard(device);
@@ -131,10 +197,7 @@ RunStats broadcast_plan(
   // neither record nor refuse those views.
   at::NoGradGuard no_grad;
 
-  c10d::BroadcastOptions opts;
-  opts.rootRank = src;
-  opts.rootTensor = 0;
-  opts.timeout = timeout;
+  auto opts = broadcast_options(src, timeout);
   // Sync ops (torch >= 2.8) run on the current stream (the caller's, or the
   // comm lane's under its guard) and stash nothing. Older torch ignores asyncOp:
   // ProcessGroupNCCL runs the broadcast on its own stream after waiting for the
@@ -159,7 +222,6 @@ RunStats broadcast_plan(
   // On CPU (gloo) every version returns a Work that runs on gloo's threads;
   // before torch 2.8 gloo ignores opts.timeout, so the host waits for it
   // against the call's deadline itself (wait_work).
-  opts.asyncOp = false;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto wait_work = [&](const c10::intrusive_ptr<c10d::Work>& work, const char* what, size_t index, size_t count) {
     if (!work) return;
@@ -221,15 +283,22 @@ RunStats broadcast_plan(
   std::unique_ptr<Executor> exec;
   at::Tensor arena;
   int64_t prepacked = 0;  // the source's buckets packed before the agreement
+  int64_t present = 0;    // buckets broadcast before it (speculate)
+  std::vector<c10::intrusive_ptr<c10d::Work>> early_works;
   if (prepared != nullptr && prepared->exec) {
     TORCH_CHECK(
         prepared->plan == &plan && prepared->generation == plan.layout_generation && prepared->is_src == is_src &&
             !hook && !leave_host_reads,
         "a prepared run belongs to another plan, layout or rank, got one of generation ", prepared->generation,
         " for layout ", plan.layout_generation);
+    TORCH_CHECK(prepared->sent == 0 || prepared->packed == prepared->sent || !is_src,
+                "the source speculated with ", prepared->sent, " buckets but packed ", prepared->packed,
+                ": its slots hold no data, the agreement must have dropped this run");
     exec = std::move(prepared->exec);
-    arena = std::move(prepared->arena);
+    arena = prepared->arena;  // a copy: a kept ring stays the caller's
     prepacked = prepared->packed;
+    present = prepared->sent;
+    early_works = std::move(prepared->works);
     if (timeout.count() > 0) exec->set_deadline(deadline, pg->getRank());
   } else {
     exec = make_executor(plan);
@@ -259,7 +328,10 @@ RunStats broadcast_plan(
         exec->pack(k, slot);
         exec->signal(Lane::kCopy, s);
       }
-      {
+      if (k < present) {
+        // Sent before the agreement: on CPU its Work is waited for here, before the unpack reads the slot.
+        if (k < static_cast<int64_t>(early_works.size())) wait_work(early_works[k], "bucket", k, plan.buckets.size());
+      } else {
         c10::OptionalStreamGuard comm(exec->stream(Lane::kComm));
         exec->wait(Lane::kComm, s);
         broadcast(slot, k, plan.buckets.size());

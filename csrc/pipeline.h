@@ -10,6 +10,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "plan.h"
 
@@ -57,11 +58,24 @@ class Executor;  // executor.h
 // broadcast_plan that follows, or dropped (the agreement failed, or laid the
 // buckets out again): the caller's stream is then ordered after what it
 // queued, and the ring is freed.
+//
+// A kept plan may also send its first buckets before the agreement
+// (speculate): ring slot to ring slot, so that no tensor of the caller's is
+// read or written by them, one per slot, while the ranks agree. Every rank
+// must then post them, whatever it finds in its check: the ranks only
+// speculate on a layout they all agreed on in the run before, with a ring
+// kept from it (`ring`: nothing to allocate, so nothing to fail), and a
+// source whose tensors changed sends its slots unpacked (`pack` false) and
+// says so in the agreement, which then has every rank drop what was sent.
 struct PreparedRun {
-  PreparedRun(const Plan& plan, bool is_src);
+  PreparedRun(const Plan& plan, bool is_src, bool pack = true, at::Tensor ring = {});
   ~PreparedRun();
   PreparedRun(const PreparedRun&) = delete;
   PreparedRun& operator=(const PreparedRun&) = delete;
+
+  // Broadcasts buckets [0, n) slot to slot: n, the first buckets up to one per
+  // slot and up to the first direct one (those are the caller's memory).
+  int64_t speculate(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t src, std::chrono::milliseconds timeout);
 
   const Plan* plan;
   int64_t generation;  // the plan's layout_generation when made
@@ -70,7 +84,16 @@ struct PreparedRun {
   std::unique_ptr<Executor> exec;  // null once taken
   at::Tensor arena;
   int64_t packed = 0;  // the source's buckets [0, packed) are in their slots (direct ones need none)
+  int64_t sent = 0;    // buckets [0, sent) broadcast by speculate()
+  // speculate()'s broadcasts on CPU (gloo runs them on its threads): waited for before their unpack.
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::chrono::milliseconds work_timeout{0};  // theirs (0: the group's)
 };
+
+// Bucket k's ring slot in `arena` (the ring's slots first, slot_bytes each).
+inline at::Tensor slot_of(const Plan& plan, const at::Tensor& arena, int64_t k) {
+  return arena.narrow(0, (k % plan.ring_slots) * plan.slot_bytes, plan.buckets[k].nbytes);
+}
 
 // Whether a plan's run can be prepared: a sync's (not a load's or a refit's)
 // with buckets through the ring.

@@ -100,7 +100,7 @@ RunStats refit_send(
       throttle.before_next("bucket", k, plan.buckets.size());
       if (is_sender) {
         const bool direct = plan.buckets[k].direct_tensor >= 0;  // set only when nothing is gathered
-        auto slot = direct ? direct_bytes(plan, k) : arena.narrow(0, s * plan.slot_bytes, plan.buckets[k].nbytes);
+        auto slot = direct ? direct_bytes(plan, k) : slot_of(plan, arena, k);
         at::Tensor chunks;
         if (gather) {
           chunks = arena.narrow(0, send_bytes + s * W * cs, W * cb);

@@ -205,6 +205,67 @@ def test_kept_plan_on_gpus():
     run_ranks(2, _kept_plan_body, backend="nccl", timeout=300)
 
 
+def _speculating_plan_body(rank, world_size):
+    """plan_sync(speculate=True) on GPUs: the first buckets cross ring to ring while the ranks agree. Runs of
+    new values bitwise (one on another caller stream), no memory growth after the first (the ring is kept),
+    a receiver's re-allocated tensor refused on every rank with nothing written, a source that replans
+    drops what went early and sends again."""
+    dev = torch.device("cuda", rank)
+    tensors = [torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in [(1000 + 17 * i,) for i in range(2000)]]
+    plan = coalesced_bcast.plan_sync(tensors, src=0, bucket_bytes=1 * MiB, speculate=True)
+
+    def fill(step):
+        if rank == 0:
+            for i, t in enumerate(tensors):
+                t.view(torch.int16).fill_(step * 131 + i)
+
+    def check(step):
+        torch.cuda.synchronize()
+        bad = [i for i, t in enumerate(tensors) if not bool((t.view(torch.int16) == step * 131 + i).all())]
+        assert not bad, f"rank {rank} step {step}: {bad[:5]}"
+
+    side = torch.cuda.Stream(dev)
+    for step in range(6):
+        fill(step)
+        if step == 1:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        if step == 3:  # the kept ring used from another stream than the one it was allocated on
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                stats = plan.run()
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            stats = plan.run()
+        check(step)
+        assert stats.speculated == (2 if step > 0 else 0), (step, stats)
+    assert (torch.cuda.memory_allocated(), torch.cuda.memory_reserved()) == base
+    before = [t.clone() for t in tensors]
+    if rank == 1:
+        tensors[7].data = tensors[7].data.clone()
+        before[7] = tensors[7].clone()
+    fill(9)
+    if rank == 0:
+        before = [t.clone() for t in tensors]
+    with pytest.raises(coalesced_bcast.AgreementError, match="rank 1 refused.*re-allocated"):
+        plan.run()
+    torch.cuda.synchronize()
+    assert all(same_bits(t, b) for t, b in zip(tensors, before)), f"rank {rank}: a refused run wrote something"
+    plan.run(replan=True)
+    check(9)
+    if rank == 0:
+        tensors[3].data = tensors[3].data.clone()
+    for step in (10, 11):
+        fill(step)
+        stats = plan.run(replan=True)
+        check(step)
+        assert stats.speculated == (0 if step == 10 else 2), (step, stats)
+
+
+def test_speculating_kept_plan_on_gpus():
+    run_ranks(2, _speculating_plan_body, backend="nccl", timeout=300)
+
+
 def _ring_before_agreement_body(rank, world_size):
     """The ring is made, and the source's first buckets packed, before the agreement (PreparedRun): when the
     agreement then fails, nothing is written, the ring goes back, and the next sync is bitwise; a rank that

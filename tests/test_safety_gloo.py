@@ -436,6 +436,16 @@ def _timeout_body(rank, world_size, out_dir):
     if rank == 0:
         _attempt(out_dir, rank, "never_calls", lambda: coalesced_bcast.broadcast_tensors(x, 0, g, timeout=2))
     dist.barrier()
+    # never_calls_speculating: the same for a kept plan with speculate=True, once a run went through: rank 0
+    # has sent its first bucket before the agreement; its host still raises at the timeout (the broadcast
+    # it posted ends with gloo's own timeout, its ring outliving it).
+    g = dist.new_group([0, 1])
+    plan = coalesced_bcast.plan_sync(x, 0, g, bucket_bytes=4096, inplace_min_bytes=1 << 40, speculate=True)
+    plan.run()
+    if rank == 0:
+        _attempt(out_dir, rank, "never_calls_speculating", lambda: plan.run(timeout=2))
+    del plan
+    dist.barrier()
     # group_timeout: no timeout argument; the group was made with 2 s.
     g = dist.new_group([0, 1], timeout=timedelta(seconds=2))
     if rank == 0:
@@ -485,12 +495,12 @@ def _results(out_dir, case, ranks):
 @pytest.mark.parametrize("store", ["file", "tcp"])
 def test_rank_that_never_arrives_or_dies(tmp_path, store):
     run_ranks(2, _timeout_body, str(tmp_path), timeout=90, store=store)
-    for case, limit in (("never_calls", 2), ("group_timeout", 2)):
+    for case, limit in (("never_calls", 2), ("never_calls_speculating", 2), ("group_timeout", 2)):
         r = _results(tmp_path, case, [0])[0]
         assert r["type"] == "CollectiveError" and r["seconds"] < limit + SLACK_S, (case, r)
         assert r["seconds"] > limit - 0.5, (case, r)  # it was the timeout that ended it
         assert "the agreement over 2 ranks failed on rank 0" in r["message"], r
-        assert ("limit: 2 s" if case == "never_calls" else "limit: the group's timeout") in r["message"], r
+        assert ("limit: 2 s" if case != "group_timeout" else "limit: the group's timeout") in r["message"], r
     r = _results(tmp_path, "stuck_after_agreement", [0])[0]
     assert r["type"] == "CollectiveError" and r["seconds"] < 2 + SLACK_S, r
     # gloo words its own timeout two ways ("Timed out waiting ...ms for recv", "Operation timed out!")

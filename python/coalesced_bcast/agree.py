@@ -191,6 +191,13 @@ def payload_broadcast(plan, pg: dist.ProcessGroup, src: int, timeout: Optional[f
                               progress_seconds, leave_host_reads=leave_host_reads, prepared=prepared)
 
 
+def speculate(prepared, pg: dist.ProcessGroup, src: int, timeout: Optional[float | timedelta]) -> int:
+    """prepared.speculate (a kept plan's first buckets, before the agreement), failures worded as the payload's."""
+    timeout = as_timedelta(timeout)
+    with _payload_failure(pg, timeout):
+        return prepared.speculate(pg, src, timeout.total_seconds() if timeout is not None else 0.0)
+
+
 def host_reads_wait(reads, pg: dist.ProcessGroup, timeout: Optional[float | timedelta]) -> None:
     """Until the copies that payload_broadcast left running are done; a failure worded as its own."""
     with _payload_failure(pg, as_timedelta(timeout)):
@@ -326,7 +333,8 @@ def control_stream(device: torch.device):
 
 def check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup, src: Optional[int],
                     names: Sequence[str], *, timeout: Optional[float | timedelta] = None,
-                    device: Optional[torch.device] = None, timing: Optional[dict] = None) -> Optional[torch.Tensor]:
+                    device: Optional[torch.device] = None, timing: Optional[dict] = None,
+                    void: bool = False) -> Optional[torch.Tensor]:
     """Raise the same AgreementError on every rank unless every rank planned the source's structure.
 
     `src` is the source's group rank (None when this rank could not resolve it: then `error` says why).
@@ -339,6 +347,8 @@ def check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup,
     every rank. Routes differ where a tensor is contiguous and aligned on one rank and not another.
     `timing`, if given, receives "wait_seconds": how long this rank waited for the others (store
     agreement; the collective one does not tell waiting from working).
+    `void`: what this rank sent before the agreement (a kept plan's speculate) must not be used; its routes
+    then read as no other rank's, so that every rank gets routes back (not None) and starts again.
     """
     timeout = as_timedelta(timeout)
     if error is None:
@@ -349,13 +359,13 @@ def check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup,
     if store is not None:
         agreement = _StoreAgreement(store, pg, timeout)
         try:
-            return agreement.run(plan, error, src, names)
+            return agreement.run(plan, error, src, names, void)
         finally:
             if timing is not None:
                 timing["wait_seconds"] = agreement.waited
     cdev = control_device(pg)
     with control_stream(cdev):
-        return _check_agreement(plan, error, pg, src, names, timeout, cdev)
+        return _check_agreement(plan, error, pg, src, names, timeout, cdev, void)
 
 
 # ------------------------------------------------------------------------------ over the group's store
@@ -501,12 +511,13 @@ def _group_store(pg: dist.ProcessGroup):
         return None
 
 
-def _structure_and_routes(plan, error: Optional[BaseException], named: int) -> tuple[str, str]:
-    """What ranks compare: the named source and the fingerprint's length and hash, then the routes' hash."""
+def _structure_and_routes(plan, error: Optional[BaseException], named: int, void: bool = False) -> tuple[str, str]:
+    """What ranks compare: the named source and the fingerprint's length and hash, then the routes' hash
+    (for a void rank one that no other rank's can equal)."""
     if error is not None:
         return f"{named}|refused", ""
     fp_len, fp_hash, routes_hash = plan.digest()
-    return f"{named}|{fp_len} {fp_hash}", str(routes_hash)
+    return f"{named}|{fp_len} {fp_hash}", f"void{dist.get_rank()}" if void else str(routes_hash)
 
 
 class _StoreAgreement:
@@ -647,13 +658,13 @@ class _StoreAgreement:
         return int(self._op(self.store.queue_pop, key, False))
 
     def run(self, plan, error: Optional[BaseException], src: Optional[int],
-            names: Sequence[str]) -> Optional[torch.Tensor]:
+            names: Sequence[str], void: bool = False) -> Optional[torch.Tensor]:
         n = self.pg.size()
         mine = self.group.own_keys
         while mine and mine[0][0] <= self.seq - 2:
             self._op(self.store.delete_key, mine.pop(0)[1])
         named = dist.get_process_group_ranks(self.pg)[src] if src is not None else -1
-        structure, routes = _structure_and_routes(plan, error, named)
+        structure, routes = _structure_and_routes(plan, error, named, void)
         record = f"{self.seq}#{self.rank}#{structure}#{routes}"
         cur = self.publish(record)
         first = cur == record
@@ -733,7 +744,8 @@ class _StoreAgreement:
 
 
 def _check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup, src: Optional[int],
-                     names: Sequence[str], timeout: Optional[timedelta], cdev: torch.device) -> None:
+                     names: Sequence[str], timeout: Optional[timedelta], cdev: torch.device,
+                     void: bool = False) -> None:
     """The agreement as one all_gather over the group (and, on a mismatch, a broadcast and another)."""
     rank = dist.get_rank()
     ranks = dist.get_process_group_ranks(pg)
@@ -742,7 +754,7 @@ def _check_agreement(plan, error: Optional[BaseException], pg: dist.ProcessGroup
         rec = _record(_REFUSED, 0, 0, src_global, f"{type(error).__name__}: {error}")
     else:
         fp_len, fp_hash, routes_hash = plan.digest()
-        rec = _record(_OK, fp_len, fp_hash, src_global, "", routes_hash)
+        rec = _record(_OK, fp_len, fp_hash, src_global, "", -1 - rank if void else routes_hash)
     table = _gather(rec, pg, cdev, timeout)
     heads = table[:, :_HEADER].contiguous().view(torch.int64)
     refused = [r for r in range(pg.size()) if int(heads[r, 0]) == _REFUSED]

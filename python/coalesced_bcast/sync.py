@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _C
-from .agree import as_timedelta, check_agreement, group_timeout, payload_broadcast, wait_device
+from .agree import as_timedelta, check_agreement, group_timeout, payload_broadcast, speculate, wait_device
 from .verify import verify_plan
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class SyncStats:
     # (a non-contiguous or unaligned copy there): routes must pair up across ranks
     rerouted: int = 0
     inplace_ops: int = 0  # broadcasts the in-place tensors took: tensors back to back in one buffer share one
+    speculated: int = 0  # buckets sent ring to ring before the agreement and used (plan_sync(speculate=True))
 
 
 def _resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
@@ -142,12 +143,26 @@ class SyncPlan:
     A changed tensor raises the same AgreementError on every rank, naming it, before any byte
     moves; ``run(replan=True)`` instead plans again where something changed and then agrees.
     Tensors added to a module after the plan was made are not part of it: make a new plan.
+
+    With ``speculate``, the plan keeps its ring between runs, and each run after one that went
+    through sends its first buckets (one per ring slot) from ring to ring while the ranks agree, so
+    that the agreement's round trips overlap the transfer. Those broadcasts touch no tensor of the
+    caller's; a rank that finds a change (or replans) sends them all the same and voids them in the
+    agreement, and every rank then drops them. What it gives up: every rank must call run() every
+    time, as for any collective; a rank that does not leaves the others' first broadcasts queued on
+    the GPU (their host raises CollectiveError at the timeout) until torch's NCCL watchdog ends the
+    group, where without it nothing was queued.
     """
 
     def __init__(self, tensors: Optional[list], src: int, group: Optional[dist.ProcessGroup], names, options: dict,
-                 module_slots: Optional[Callable[[], tuple]] = None):
+                 module_slots: Optional[Callable[[], tuple]] = None, speculate: bool = False):
         self._t0 = time.perf_counter()
         self.src, self._options = src, options
+        self._speculate = speculate
+        # speculate: the plan (and its layout generation) that every rank agreed on in the last run that went
+        # through, and the ring that run used; None when the last run did not go through.
+        self._agreed: Optional[tuple] = None
+        self._ring: Optional[torch.Tensor] = None
         self._pg = _resolve_group(group)
         self._rank = dist.get_rank()
         self._names = _Names(names) if callable(names) else list(names) if names is not None else []
@@ -232,30 +247,48 @@ class SyncPlan:
         with group_timeout(pg, timeout):
             timing: dict = {}
             device = tensors[0].device if tensors and error is None else None
+            is_src = self._rank == self.src
+            # Speculation: only on a layout every rank agreed on last time, with that run's ring (nothing to
+            # allocate), so that every rank posts the same broadcasts whatever its check found.
+            agreed, self._agreed = self._agreed, None
+            ring, self._ring = self._ring, None
+            prepared, void = None, False
+            if agreed is not None and _PREPARE:
+                spec_plan, generation = agreed
+                # a source whose tensors changed must not read them: its slots go unpacked, and void
+                valid = error is None and spec_plan is plan and plan.layout_generation == generation
+                prepared = spec_plan.prepare(is_src, pack=valid, ring=ring)
+                speculate(prepared, pg, self._src_group, timeout)
+                void = not valid
             # The ring before the agreement (csrc/pipeline.h, PreparedRun): a rank that cannot have it refuses
             # there, so that every rank raises; the source's first packs run while the ranks agree.
-            prepared = None
-            if error is None and _PREPARE and plan.can_prepare:
+            elif error is None and _PREPARE and plan.can_prepare:
                 try:
-                    prepared = plan.prepare(self._rank == self.src)
+                    prepared = plan.prepare(is_src)
                 except Exception as e:  # out of memory, mostly: a refusal, as any rank's problem before the agreement
                     error = RuntimeError(f"rank {self._rank} could not make its ring of {plan.num_buckets} buckets "
                                          f"(bucket_bytes={self._options['bucket_bytes']}): {e}")
             try:
                 allowed = check_agreement(plan, error, pg, self._src_group, self._names, timeout=timeout,
-                                          device=device, timing=timing)
+                                          device=device, timing=timing, void=void)
             except BaseException:
                 prepared = None  # what it queued is ordered before the caller's stream, its ring freed
                 raise
+            if allowed is not None or void:  # void: allowed is not None on every rank of a group of two or more
+                prepared = ring = None  # laid out again below: its packs are not the new buckets'
             if allowed is not None:
-                prepared = None  # laid out again below: its packs are not the new buckets'
                 inplace = plan.num_inplace
                 plan.restrict_routes(allowed)
                 self._rerouted += inplace - plan.num_inplace
                 logger.debug("coalesced_bcast: %d tensors go through buckets on every rank, as some rank cannot "
                              "send them in place", inplace - plan.num_inplace)
+                if self._speculate and _PREPARE and plan.can_prepare:
+                    prepared = plan.prepare(is_src)  # a ring to keep, so that the next run speculates again
             t_agreed, t_sent = time.perf_counter(), time.monotonic()
             enqueue_seconds, ring_bytes, _ = payload_broadcast(plan, pg, self._src_group, timeout, prepared=prepared)
+            speculated = prepared.sent if prepared is not None else 0
+            if self._speculate and prepared is not None:
+                self._agreed, self._ring = (plan, plan.layout_generation), prepared.ring
             if timeout is not None and tensors and tensors[0].device.type == "cuda":
                 # The transfer is queued, not done: wait for it, so that a source that stalls after the
                 # agreement is an error here within `timeout` rather than a stuck stream.
@@ -267,7 +300,7 @@ class SyncPlan:
             inplace_tensors=plan.num_inplace, packed_bytes=plan.packed_bytes, buckets=plan.num_buckets,
             ring_bytes=ring_bytes, seconds=time.perf_counter() - self._t0, plan_seconds=t_planned - self._t0,
             agree_seconds=t_agreed - t_planned, enqueue_seconds=enqueue_seconds, rerouted=self._rerouted,
-            inplace_ops=plan.inplace_ops, agree_wait_seconds=timing.get("wait_seconds", 0.0))
+            inplace_ops=plan.inplace_ops, agree_wait_seconds=timing.get("wait_seconds", 0.0), speculated=speculated)
         if self._rank == self.src:
             logger.info("coalesced_bcast: sent %d tensors (%d unique, %.3f GiB, %d in place, %d buckets) in %.3f s",
                         stats.tensors, stats.unique_tensors, stats.bytes / 2**30, stats.inplace_tensors,
@@ -400,6 +433,7 @@ def plan_sync(
     inplace_min_bytes: int = DEFAULT_INPLACE_MIN_BYTES,
     coalesce_bytes: int = DEFAULT_COALESCE_BYTES,
     small_inplace_max: int = DEFAULT_SMALL_INPLACE_MAX,
+    speculate: bool = False,
 ) -> SyncPlan:
     """Plan a sync of a module (its parameters and, unless ``include_buffers=False``, buffers) or of a
     list of tensors once, for :meth:`SyncPlan.run` to send again and again (weight refits, EMA copies,
@@ -411,11 +445,15 @@ def plan_sync(
         for step in ...:
             optimizer.step()          # on the source
             plan.run()                # every rank: one small agreement, then the transfer
+
+    ``speculate=True``: each run after the first sends its first buckets while the ranks agree, and the
+    plan keeps its ring (``ring_depth * bucket_bytes``) between runs; see :class:`SyncPlan` for what
+    that gives up.
     """
     options = _options(bucket_bytes, ring_depth, inplace_min_bytes, coalesce_bytes, small_inplace_max)
     if isinstance(what, nn.Module):
         module = what
         if names is None:
             names = lambda: module_states(module, include_buffers)[0]  # noqa: E731
-        return SyncPlan(None, src, group, names, options, lambda: _module_slots(module, include_buffers))
-    return SyncPlan(list(what), src, group, names, options)
+        return SyncPlan(None, src, group, names, options, lambda: _module_slots(module, include_buffers), speculate)
+    return SyncPlan(list(what), src, group, names, options, speculate=speculate)
