@@ -481,12 +481,22 @@ Plan make_plan(
   return plan;
 }
 
-std::string Plan::check_unchanged() const {
+int64_t Plan::inputs_of_buckets(int64_t n) const {
+  n = std::min<int64_t>(n, static_cast<int64_t>(buckets.size()));
+  int64_t inputs = 0;  // unique tensors are in input order, and buckets copy them in that order
+  for (int64_t k = n - 1; k >= 0 && inputs == 0; --k) {
+    if (buckets[k].num_ops > 0) inputs = unique[op_unique[buckets[k].first_op + buckets[k].num_ops - 1]].first_input + 1;
+  }
+  return inputs;
+}
+
+std::string Plan::check_unchanged(int64_t first) const {
   TORCH_CHECK(dest_keys.size() == dests.size(), "check_unchanged on a load plan of ", dests.size(),
               " destinations made without kept=True (their keys were not taken)");
   // A sync's or refit's inputs, a refit receiver's destinations: the tensors a kept plan's tables point into.
   auto check = [&](const std::vector<at::Tensor>& tensors, const std::vector<InputKey>& ks, bool dest) {
-    const int64_t n = static_cast<int64_t>(std::min(tensors.size(), ks.size()));
+    int64_t n = static_cast<int64_t>(std::min(tensors.size(), ks.size()));
+    if (first >= 0) n = std::min(n, first);
     auto same = [&](int64_t i) {
       const auto& t = tensors[i];
       if (!t.defined()) return true;
@@ -517,7 +527,7 @@ std::string Plan::check_unchanged() const {
     return s.str();
   };
   auto why = check(inputs, keys, false);
-  return why.empty() ? check(dests, dest_keys, true) : why;
+  return why.empty() && first < 0 ? check(dests, dest_keys, true) : why;
 }
 
 at::Tensor Plan::routes() const {

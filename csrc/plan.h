@@ -171,7 +171,10 @@ struct Plan {
     return inputs[u.first_input];
   }
   // "" while every input still matches its key; else which one changed and how.
-  std::string check_unchanged() const;
+  // inputs >= 0: only the first that many (and no destinations).
+  std::string check_unchanged(int64_t inputs = -1) const;
+  // How many inputs, from the first, hold every tensor that buckets [0, n) copy (0 if none).
+  int64_t inputs_of_buckets(int64_t n) const;
 
   // "tensor 3 ('layers.0.weight') on rank 1": how every message names a tensor.
   std::string describe(int64_t input) const;

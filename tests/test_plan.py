@@ -243,6 +243,28 @@ def test_fingerprint_captures_structure_not_values():
     assert not torch.equal(plan([w, w]).fingerprint(), plan([w, w.clone()]).fingerprint())
 
 
+def test_check_of_the_inputs_that_the_first_buckets_read():
+    """A speculating source checks only what its first buckets copy before it packs them."""
+    ts = [torch.zeros(128, dtype=torch.float32) for _ in range(30)]  # 512 bytes each: 8 per 4 KiB bucket
+    ts.insert(5, ts[2])  # an alias, sent once
+    p = plan(ts)
+    assert p.num_buckets == 4
+    assert p.inputs_of_buckets(0) == 0
+    assert p.inputs_of_buckets(1) == 9  # uniques 0..7: inputs 0..8, the alias among them
+    assert p.inputs_of_buckets(2) == 17 and p.inputs_of_buckets(99) == 31
+    ts[12].data = torch.zeros(128)  # in the second bucket: re-allocated
+    assert p.check_unchanged(9) == ""
+    assert p.check_unchanged(17).startswith("tensor 12") and "re-allocated" in p.check_unchanged(17)
+    assert p.check_unchanged().startswith("tensor 12")
+    ts[3].resize_(7)
+    assert p.check_unchanged(9).startswith("tensor 3") and "changed shape" in p.check_unchanged(9)
+    # a tensor split across two buckets: the first bucket's check covers it
+    q = plan([torch.zeros(1000), torch.zeros(10)])  # 4000 + 40 bytes: the second starts bucket 0, ends there
+    assert q.inputs_of_buckets(1) == 2
+    r = plan([torch.zeros(2000), torch.zeros(10)])  # the first spans buckets 0 and 1
+    assert r.inputs_of_buckets(1) == 1 and r.inputs_of_buckets(2) == 2
+
+
 def test_check_unchanged_over_many_tensors_names_the_first_change():
     """A kept plan's check runs in chunks on several threads: it still reports the first changed tensor."""
     ts = [torch.zeros(8 + i % 5) for i in range(10000)]

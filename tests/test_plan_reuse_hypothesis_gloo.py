@@ -13,7 +13,9 @@ from test_hypothesis_gloo import build, specs as tensor_specs
 from zoo import fill_random_bytes, same_bits
 
 EXAMPLES = 60
-CHANGES = ["none", "none", "realloc", "resize"]
+# replan: a tensor re-allocated on every rank, then run(replan=True) at once (no refused run first): with
+# speculate, what every rank sent before the agreement is void and sent again.
+CHANGES = ["none", "none", "realloc", "resize", "replan"]
 
 
 @st.composite
@@ -24,6 +26,7 @@ def specs(draw):
     spec["runs"] = draw(st.lists(st.tuples(st.sampled_from(CHANGES), st.integers(0, 99), st.integers(0, 1),
                                            st.booleans()), min_size=1, max_size=4))
     spec["verify"] = verify
+    spec["options"]["speculate"] = draw(st.booleans())
     return spec
 
 
@@ -73,7 +76,11 @@ def run_example(rank: int, spec) -> bool:
             # A change on one rank (realloc) or on every rank (resize): the next run is refused everywhere. Then
             # every rank (and the expected copy) holds the same change, so that the structure every rank replans
             # is one (a re-allocated tensor's views and aliases stay on the old memory, on every rank alike).
-            changed = bool(tensors) and kind != "none" and (kind == "realloc" or _can_resize(tensors, index))
+            if kind == "replan" and tensors:
+                _change(tensors, "realloc", index)
+                _change(expect, "realloc", index)
+            changed = bool(tensors) and kind not in ("none", "replan") and (kind == "realloc" or
+                                                                          _can_resize(tensors, index))
             if changed and (kind == "resize" or rank == on_rank):
                 _change(tensors, kind, index)
             if rank == src:
@@ -96,7 +103,7 @@ def run_example(rank: int, spec) -> bool:
             _fill(expect, torch.Generator().manual_seed(seed))
             if rank == src and changed:  # the source's values as the expected copy has them, after the change
                 _fill(tensors, torch.Generator().manual_seed(seed))
-            plan.run(verify=verify, replan=changed, timeout=60)
+            plan.run(verify=verify, replan=changed or kind == "replan", timeout=60)
             wrong = [i for i, (t, e) in enumerate(zip(tensors, expect)) if not same_bits(t, e)]
             if wrong:  # recorded, not returned: the other rank makes the next run too
                 print(f"rank {rank}: run {step} ({kind}): tensors {wrong} differ from the source's", flush=True)

@@ -225,6 +225,9 @@ class SyncPlan:
         was made, plan again (every rank then agrees on the new plan) instead of raising.
         """
         self._t0 = time.perf_counter()
+        if timeout is not None and isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
+        early = self._send_early(timeout)
         error = self._error
         changed = self._changed() if error is None else None
         if changed is not None and not replan:
@@ -235,10 +238,31 @@ class SyncPlan:
                 self._tensors = self._slots[2]
             self._build()
             error = self._error
-        return self._send(timeout, verify, error)
+        return self._send(timeout, verify, error, early)
 
-    def _send(self, timeout, verify: bool, error: Optional[BaseException]) -> SyncStats:
-        """Agree (digest, routes, refusals: `error` is this rank's), then broadcast through the C++ pipeline."""
+    def _send_early(self, timeout: Optional[float]) -> Optional[tuple]:
+        """speculate: the first buckets, ring to ring, before this rank's check and the agreement; every rank
+        sends them, whatever it finds, on the layout all agreed on in the last run that went through, with
+        that run's ring (nothing to allocate). The source first checks what they read (a re-allocated
+        tensor's old memory may be gone), and where that changed sends its slots unpacked. Returns
+        (the PreparedRun, its plan, the plan's layout generation then), or None."""
+        agreed, self._agreed = self._agreed, None
+        ring, self._ring = self._ring, None
+        if agreed is None or not _PREPARE:
+            return None
+        plan, generation = agreed
+        is_src = self._rank == self.src
+        pack = False
+        if is_src and self._error is None and self._plan is plan and plan.layout_generation == generation:
+            pack = plan.check_unchanged(plan.inputs_of_buckets(plan.ring_slots)) == ""
+        with group_timeout(self._pg, timeout):
+            prepared = plan.prepare(is_src, pack=pack, ring=ring)
+            speculate(prepared, self._pg, self._src_group, timeout)
+        return prepared, plan, generation
+
+    def _send(self, timeout, verify: bool, error: Optional[BaseException], early: Optional[tuple] = None) -> SyncStats:
+        """Agree (digest, routes, refusals: `error` is this rank's), then broadcast through the C++ pipeline.
+        early: what _send_early sent, used if every rank's check passed, dropped on every rank if not."""
         pg, plan = self._pg, self._plan
         t_planned = time.perf_counter()
         if timeout is not None and isinstance(timeout, timedelta):
@@ -248,18 +272,12 @@ class SyncPlan:
             timing: dict = {}
             device = tensors[0].device if tensors and error is None else None
             is_src = self._rank == self.src
-            # Speculation: only on a layout every rank agreed on last time, with that run's ring (nothing to
-            # allocate), so that every rank posts the same broadcasts whatever its check found.
-            agreed, self._agreed = self._agreed, None
-            ring, self._ring = self._ring, None
             prepared, void = None, False
-            if agreed is not None and _PREPARE:
-                spec_plan, generation = agreed
-                # a source whose tensors changed must not read them: its slots go unpacked, and void
-                valid = error is None and spec_plan is plan and plan.layout_generation == generation
-                prepared = spec_plan.prepare(is_src, pack=valid, ring=ring)
-                speculate(prepared, pg, self._src_group, timeout)
-                void = not valid
+            if early is not None:
+                prepared, spec_plan, generation = early
+                # void: the broadcasts went on a layout this rank no longer has, or the source sent them unpacked
+                void = not (error is None and spec_plan is plan and plan.layout_generation == generation
+                            and (not is_src or prepared.packed > 0))
             # The ring before the agreement (csrc/pipeline.h, PreparedRun): a rank that cannot have it refuses
             # there, so that every rank raises; the source's first packs run while the ranks agree.
             elif error is None and _PREPARE and plan.can_prepare:
@@ -272,10 +290,10 @@ class SyncPlan:
                 allowed = check_agreement(plan, error, pg, self._src_group, self._names, timeout=timeout,
                                           device=device, timing=timing, void=void)
             except BaseException:
-                prepared = None  # what it queued is ordered before the caller's stream, its ring freed
+                prepared = early = None  # what it queued is ordered before the caller's stream, its ring freed
                 raise
             if allowed is not None or void:  # void: allowed is not None on every rank of a group of two or more
-                prepared = ring = None  # laid out again below: its packs are not the new buckets'
+                prepared = early = None  # laid out again below: its packs are not the new buckets'
             if allowed is not None:
                 inplace = plan.num_inplace
                 plan.restrict_routes(allowed)
