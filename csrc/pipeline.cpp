@@ -365,6 +365,10 @@ RunStats broadcast_plan(
   } catch (...) {
     // The in-place broadcasts and the ring go back to the caller's stream: order it after what was queued.
     exec->end(/*unwinding=*/true);
+    // Broadcasts sent before the agreement and not yet waited for (gloo's threads) may still write the ring.
+    for (const auto& work : early_works) {
+      if (work && !work->isCompleted()) leak(arena);
+    }
     throw;
   }
   stats.host_ring_bytes = exec->host_bytes();
