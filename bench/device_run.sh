@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one call on the device machine (nvidia-h200-x2):
-#   bash bench/device_run.sh [STEP...]     steps: env build gputest refittest refit bench trace init agree fsdp2 loadcheck loadphases modulewalk soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta torchsuite_ddp accelerate planhost copykernels (default: all but the torchsuite ones)
+#   bash bench/device_run.sh [STEP...]     steps: env build gputest refittest refit bench trace keptab init agree fsdp2 loadcheck loadphases modulewalk soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta torchsuite_ddp accelerate planhost copykernels (default: all but the torchsuite ones)
 # Builds the extension in place with the machine's own torch (or takes prebuilt/, carried, made here by
 # scripts/prebuild_device.sh for these sources and that torch), then runs each step. Logs and results
 # go to $LOGS (default /tmp/device_run) and, after every step, into one archive $OUT/device_run.tgz
@@ -70,6 +70,8 @@ for s in $steps; do
     refit) step refit 560 $PY -m torch.distributed.run --standalone --nproc-per-node 3 bench/refit_bench.py --out "$LOGS/refit.jsonl" ;;
     bench) step bench 500 $RUN bench/bench.py --out "$LOGS/bench" ${BENCH_CASES:+--cases $BENCH_CASES} ;;
     trace) step trace 400 $RUN bench/trace_pipeline.py --out "$LOGS/trace" ;;
+    # keptab: the 16k state (1 GiB) with a kept plan against the same with speculate=True, alternating
+    keptab) step keptab 200 $RUN bench/kept_ab.py 16384 32768 $((128 << 20)) ;;
     init) step init 300 $RUN bench/init_bench.py --out "$LOGS/init.jsonl" ;;
     agree) step agree 120 $RUN bench/agree_probe.py --out "$LOGS/agree_probe.jsonl" ;;
     fsdp2) step fsdp2 540 $RUN bench/fsdp2_load.py --extra-buckets 128 --out "$LOGS/fsdp2.jsonl" ;;
