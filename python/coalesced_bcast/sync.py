@@ -225,8 +225,6 @@ class SyncPlan:
         was made, plan again (every rank then agrees on the new plan) instead of raising.
         """
         self._t0 = time.perf_counter()
-        if timeout is not None and isinstance(timeout, timedelta):
-            timeout = timeout.total_seconds()
         early = self._send_early(timeout)
         error = self._error
         changed = self._changed() if error is None else None
@@ -240,7 +238,7 @@ class SyncPlan:
             error = self._error
         return self._send(timeout, verify, error, early)
 
-    def _send_early(self, timeout: Optional[float]) -> Optional[tuple]:
+    def _send_early(self, timeout: Optional[Union[float, timedelta]]) -> Optional[tuple]:
         """speculate: the first buckets, ring to ring, before this rank's check and the agreement; every rank
         sends them, whatever it finds, on the layout all agreed on in the last run that went through, with
         that run's ring (nothing to allocate). The source first checks what they read (a re-allocated
