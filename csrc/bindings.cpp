@@ -578,9 +578,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("routes", &Plan::routes)
       .def("digest", &Plan::digest)
       .def("check_unchanged", &Plan::check_unchanged, py::call_guard<py::gil_scoped_release>(),
-           py::arg("inputs") = -1,
+           py::arg("inputs") = -1, py::arg("start") = 0,
            "'' while every input still holds the bytes, shape and dtype it was planned with; else what changed. "
-           "inputs >= 0: only the first that many")
+           "inputs >= 0: only the first that many; start: the inputs before it are passed over")
       .def("inputs_of_buckets", &Plan::inputs_of_buckets, py::arg("n"),
            "how many inputs, from the first, hold every tensor that the first n buckets copy")
       .def("restrict_routes", &Plan::restrict_routes, py::arg("allowed"))

@@ -63,14 +63,16 @@ at::Tensor make_arena(const Plan& plan, Executor& exec, const at::Tensor& kept =
   const bool all_direct = plan.direct_buckets == static_cast<int64_t>(plan.buckets.size());
   const int64_t ring_bytes = all_direct ? 0 : plan.ring_slots * plan.slot_bytes;
   const int64_t total = ring_bytes + exec.table_bytes();
+  at::Tensor arena = kept;
   if (kept.defined()) {
     TORCH_CHECK(kept.numel() == total && kept.scalar_type() == at::kByte && kept.device() == plan.device &&
                     kept.is_contiguous(),
                 "a kept ring must be the plan's own (", total, " bytes on ", plan.device, "), got ", kept.numel(),
                 " bytes of ", kept.scalar_type(), " on ", kept.device());
+    exec.hold(kept);
+  } else {
+    arena = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(plan.device));
   }
-  auto arena = kept.defined() ? kept : at::empty({total}, at::TensorOptions().dtype(at::kByte).device(plan.device));
-  if (kept.defined()) exec.hold(kept);
   exec.set_table(arena.narrow(0, ring_bytes, exec.table_bytes()));
   return arena;
 }
@@ -81,6 +83,16 @@ void leak(const at::Tensor& t) {
   static std::mutex mu;
   std::lock_guard<std::mutex> lock(mu);
   kept->push_back(t);
+}
+
+// A slot's step on the comm lane (its broadcast): after the lane's last use of the slot (the source's pack,
+// through the event), and before the next (the unpack, or the pack of the bucket that reuses the slot).
+template <typename Step>
+void on_comm_lane(Executor& exec, int64_t slot, Step&& step) {
+  c10::OptionalStreamGuard comm(exec.stream(Lane::kComm));
+  exec.wait(Lane::kComm, slot);
+  step();
+  exec.signal(Lane::kComm, slot);
 }
 
 c10d::BroadcastOptions broadcast_options(int64_t src, std::chrono::milliseconds timeout) {
@@ -138,18 +150,16 @@ int64_t PreparedRun::speculate(
   const auto opts = broadcast_options(src, timeout);
   const int64_t n = std::min<int64_t>(plan->ring_slots, static_cast<int64_t>(plan->buckets.size()));
   for (int64_t k = 0; k < n && plan->buckets[k].direct_tensor < 0; ++k) {
-    const int64_t s = k % plan->ring_slots;
-    c10::OptionalStreamGuard comm(exec->stream(Lane::kComm));
-    exec->wait(Lane::kComm, s);  // the source: its pack of the slot
-    std::vector<at::Tensor> v{slot_of(*plan, arena, k)};
-    auto work = pg->broadcast(v, opts);
-    if (device.is_cuda()) {
-      if (work) work->wait();  // a stream wait (see broadcast_plan)
-    } else {
-      works.push_back(work);
-      work_timeout = timeout;
-    }
-    exec->signal(Lane::kComm, s);
+    on_comm_lane(*exec, k % plan->ring_slots, [&] {
+      std::vector<at::Tensor> v{slot_of(*plan, arena, k)};
+      auto work = pg->broadcast(v, opts);
+      if (device.is_cuda()) {
+        if (work) work->wait();  // a stream wait (see broadcast_plan)
+      } else {  // gloo's: waited for by broadcast_plan before the unpack, or by the destructor
+        works.push_back(work);
+        work_timeout = timeout;
+      }
+    });
     sent = k + 1;
   }
   return sent;
@@ -332,13 +342,12 @@ RunStats broadcast_plan(
         // Sent before the agreement: on CPU its Work is waited for here, before the unpack reads the slot.
         if (k < static_cast<int64_t>(early_works.size())) wait_work(early_works[k], "bucket", k, plan.buckets.size());
       } else {
-        c10::OptionalStreamGuard comm(exec->stream(Lane::kComm));
-        exec->wait(Lane::kComm, s);
-        broadcast(slot, k, plan.buckets.size());
-        // A load's source writes its own shards too, on the comm lane: on the
-        // copy lane they would hold the next bucket's host copy behind this broadcast.
-        if (is_src && plan.is_load) exec->scatter(k, slot, Lane::kComm);
-        exec->signal(Lane::kComm, s);
+        on_comm_lane(*exec, s, [&] {
+          broadcast(slot, k, plan.buckets.size());
+          // A load's source writes its own shards too, on the comm lane: on the
+          // copy lane they would hold the next bucket's host copy behind this broadcast.
+          if (is_src && plan.is_load) exec->scatter(k, slot, Lane::kComm);
+        });
       }
       if (!is_src && (!direct || hook)) {
         exec->wait(Lane::kCopy, s);

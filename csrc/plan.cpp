@@ -490,14 +490,16 @@ int64_t Plan::inputs_of_buckets(int64_t n) const {
   return inputs;
 }
 
-std::string Plan::check_unchanged(int64_t first) const {
+std::string Plan::check_unchanged(int64_t first, int64_t start) const {
   TORCH_CHECK(dest_keys.size() == dests.size(), "check_unchanged on a load plan of ", dests.size(),
               " destinations made without kept=True (their keys were not taken)");
   // A sync's or refit's inputs, a refit receiver's destinations: the tensors a kept plan's tables point into.
   auto check = [&](const std::vector<at::Tensor>& tensors, const std::vector<InputKey>& ks, bool dest) {
     int64_t n = static_cast<int64_t>(std::min(tensors.size(), ks.size()));
     if (first >= 0) n = std::min(n, first);
-    auto same = [&](int64_t i) {
+    const int64_t skip = dest ? 0 : std::clamp<int64_t>(start, 0, n);  // inputs [0, start) checked already
+    auto same = [&](int64_t j) {
+      const int64_t i = skip + j;
       const auto& t = tensors[i];
       if (!t.defined()) return true;
       // const_data_ptr: data_ptr() would also check (and materialize) copy-on-write storage.
@@ -509,7 +511,7 @@ std::string Plan::check_unchanged(int64_t first) const {
     // In chunks on several threads, prefetching: a kept plan checks every tensor before each run,
     // 30-45 ns each on one thread without (16k tensors: 0.5-0.7 ms on the CPU machine), more once the
     // tensors outgrow the caches. The first changed tensor is reported.
-    const int64_t i = first_failing(tensors.data(), n, same);
+    const int64_t i = skip + first_failing(tensors.data() + skip, n - skip, same);
     if (i == n) return std::string();
     const auto& t = tensors[i];
     const auto addr = t.numel() > 0 && t.has_storage() ? reinterpret_cast<uintptr_t>(t.data_ptr()) : 0;

@@ -171,8 +171,9 @@ struct Plan {
     return inputs[u.first_input];
   }
   // "" while every input still matches its key; else which one changed and how.
-  // inputs >= 0: only the first that many (and no destinations).
-  std::string check_unchanged(int64_t inputs = -1) const;
+  // inputs >= 0: only the first that many (and no destinations). start: inputs before it are passed over
+  // (a speculating source checked them before it packed its first buckets).
+  std::string check_unchanged(int64_t inputs = -1, int64_t start = 0) const;
   // How many inputs, from the first, hold every tensor that buckets [0, n) copy (0 if none).
   int64_t inputs_of_buckets(int64_t n) const;
 

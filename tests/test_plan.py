@@ -258,6 +258,10 @@ def test_check_of_the_inputs_that_the_first_buckets_read():
     assert p.check_unchanged().startswith("tensor 12")
     ts[3].resize_(7)
     assert p.check_unchanged(9).startswith("tensor 3") and "changed shape" in p.check_unchanged(9)
+    # the rest of the check, after those: the first inputs passed over, a later change still found
+    assert p.check_unchanged(start=9).startswith("tensor 12") and p.check_unchanged(9, start=9) == ""
+    assert p.check_unchanged(start=13) == "" and p.check_unchanged(start=99) == ""
+    assert p.check_unchanged(start=0).startswith("tensor 3") and p.check_unchanged(start=-5).startswith("tensor 3")
     # a tensor split across two buckets: the first bucket's check covers it
     q = plan([torch.zeros(1000), torch.zeros(10)])  # 4000 + 40 bytes: the second starts bucket 0, ends there
     assert q.inputs_of_buckets(1) == 2
@@ -274,6 +278,7 @@ def test_check_unchanged_over_many_tensors_names_the_first_change():
     assert p.check_unchanged().startswith("tensor 9000") and "re-allocated" in p.check_unchanged()
     ts[3001].resize_(100)  # reshaped and re-allocated (an earlier chunk): now the first
     assert p.check_unchanged().startswith("tensor 3001"), p.check_unchanged()
+    assert p.check_unchanged(start=3002).startswith("tensor 9000")  # in chunks from there
 
 
 def test_planning_over_many_tensors_names_the_first_bad_one():

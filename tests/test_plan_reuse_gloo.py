@@ -75,6 +75,19 @@ def _reuse_body(rank, world_size, speculate=False, store_max=None):
             wrong = [n for (n, t), (_, e) in zip(zoo, expect) if not same_bits(t, e)]
             assert not wrong, f"rank {rank} step {step}: {wrong}"
             assert stats.speculated == (0 if step in (10, 12) else min(stats.buckets, 2)), (step, stats)
+        # the source re-allocates a tensor that its first buckets do not read: it packs and sends them, and the
+        # rest of its check (past the inputs it checked before packing) still finds it: refused on every rank
+        core = plan._plan
+        first = core.inputs_of_buckets(core.ring_slots)
+        late = next(i for i, (n, t) in enumerate(zoo) if i >= first and t.numel() > 4 and t.is_contiguous()
+                    and all(u is not t for _, u in zoo[:i]))
+        if rank == src:
+            zoo[late][1].data = zoo[late][1].data.clone()
+        before = [t.clone() for _, t in zoo]
+        with pytest.raises(coalesced_bcast.AgreementError, match=f"rank {src} refused.*'{names[late]}'.*re-allocated"):
+            plan.run()
+        assert all(same_bits(t, b) for (_, t), b in zip(zoo, before)), "a refused run wrote something"
+        plan.run(replan=True)
     # a shape change on the source (resize_ of a buffer): refused on every rank as well
     if rank == src:
         zoo[victim][1].resize_(1)

@@ -163,6 +163,7 @@ class SyncPlan:
         # through, and the ring that run used; None when the last run did not go through.
         self._agreed: Optional[tuple] = None
         self._ring: Optional[torch.Tensor] = None
+        self._checked = 0  # inputs [0, _checked) found unchanged in this run already (the speculating source's)
         self._pg = _resolve_group(group)
         self._rank = dist.get_rank()
         self._names = _Names(names) if callable(names) else list(names) if names is not None else []
@@ -206,6 +207,7 @@ class SyncPlan:
 
     def _changed(self) -> Optional[str]:
         """What changed since the plan was made, in words; None if nothing."""
+        checked, self._checked = self._checked, 0
         if self._slots is not None:
             i = _C.first_replaced(*self._slots)
             if i >= 0:
@@ -213,7 +215,7 @@ class SyncPlan:
                 return (f"{label} on rank {self._rank} was replaced by another object since the plan was made "
                         f"(a parameter or buffer assigned anew)")
         if self._plan is not None:
-            return self._plan.check_unchanged() or None
+            return self._plan.check_unchanged(start=checked) or None
         return None
 
     @gc_paused
@@ -252,7 +254,9 @@ class SyncPlan:
         is_src = self._rank == self.src
         pack = False
         if is_src and self._error is None and self._plan is plan and plan.layout_generation == generation:
-            pack = plan.check_unchanged(plan.inputs_of_buckets(plan.ring_slots)) == ""
+            first = plan.inputs_of_buckets(plan.ring_slots)
+            pack = plan.check_unchanged(first) == ""
+            self._checked = first if pack else 0  # _changed() passes over them
         with group_timeout(self._pg, timeout):
             prepared = plan.prepare(is_src, pack=pack, ring=ring)
             speculate(prepared, self._pg, self._src_group, timeout)
