@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one call on the device machine (nvidia-h200-x2):
-#   bash bench/device_run.sh [STEP...]     steps: env build gputest refittest refit bench trace keptab init agree fsdp2 loadcheck loadphases modulewalk soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta torchsuite_ddp accelerate planhost copykernels (default: all but the torchsuite ones)
+#   bash bench/device_run.sh [STEP...]     steps: env build gputest gpusingle loadcalls refittest refit bench trace keptab init agree fsdp2 loadcheck loadphases modulewalk soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta torchsuite_ddp accelerate planhost copykernels (default: all but the torchsuite ones)
 # Builds the extension in place with the machine's own torch (or takes prebuilt/, carried, made here by
 # scripts/prebuild_device.sh for these sources and that torch), then runs each step. Logs and results
 # go to $LOGS (default /tmp/device_run) and, after every step, into one archive $OUT/device_run.tgz
@@ -66,6 +66,11 @@ for s in $steps; do
     env) step env 60 bash -c "nvidia-smi; nvidia-smi topo -m; $PY -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.nccl.version(), torch.cuda.device_count())'" ;;
     build) step build 500 bash -c build ;;
     gputest) step gputest 400 $PY -m pytest -q -s tests/test_gpu_nccl.py tests/test_gpu_single.py tests/test_copy_buckets.py ;;
+    # gpusingle, loadcalls: what the one-GPU kind (nvidia-h200) can run: the tests that need one GPU, and where a
+    # 16k-key FSDP2 load's host time goes on a 1-rank mesh (bench/load_calls.py).
+    gpusingle) step gpusingle 400 $PY -m pytest -q -s tests/test_gpu_single.py tests/test_copy_buckets.py \
+        tests/test_module_walk.py tests/test_host_stage.py ;;
+    loadcalls) step loadcalls 200 $PY -m torch.distributed.run --standalone --nproc-per-node 1 bench/load_calls.py ;;
     refittest) step refittest 300 $PY -m pytest -q -s tests/test_gpu_refit.py ;;
     refit) step refit 560 $PY -m torch.distributed.run --standalone --nproc-per-node 3 bench/refit_bench.py --out "$LOGS/refit.jsonl" ;;
     bench) step bench 500 $RUN bench/bench.py --out "$LOGS/bench" ${BENCH_CASES:+--cases $BENCH_CASES} ;;
