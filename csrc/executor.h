@@ -69,7 +69,9 @@ class Executor {
   virtual int64_t table_bytes() const {
     return 0;
   }
-  virtual void set_table(at::Tensor /*table*/) {}
+  // uploaded: the table already holds what set_table would write (a kept ring's, written by an earlier
+  // call of the same plan and layout, whose tensors the plan's check found unchanged): only read from there.
+  virtual void set_table(at::Tensor /*table*/, bool /*uploaded*/ = false) {}
   // A ring kept across calls (speculate) is used on this call's streams: when it
   // is finally freed, its memory must not be reused before they are done with it.
   virtual void hold(const at::Tensor& /*ring*/) {}

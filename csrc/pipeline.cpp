@@ -73,7 +73,7 @@ at::Tensor make_arena(const Plan& plan, Executor& exec, const at::Tensor& kept =
   } else {
     arena = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(plan.device));
   }
-  exec.set_table(arena.narrow(0, ring_bytes, exec.table_bytes()));
+  exec.set_table(arena.narrow(0, ring_bytes, exec.table_bytes()), /*uploaded=*/kept.defined());
   return arena;
 }
 
