@@ -415,3 +415,51 @@ def test_load_into_fsdp2_cpu_offload(host_writes, monkeypatch):
     if host_writes:
         monkeypatch.setenv("COALESCED_BCAST_HOST_WRITES", host_writes)
     run_ranks(1, offloaded_load_body, backend="nccl", timeout=200)
+
+
+def kept_table_body(rank, world_size, device_type="cuda"):
+    """(tests/test_plan_reuse_gloo.py runs it on the CPU as well.)"""
+    dev = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    cuda = dev.type == "cuda"
+    memory = (lambda: (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())) if cuda else (lambda: None)
+    tensors = [torch.zeros(512, dtype=torch.bfloat16, device=dev) for _ in range(2048)]  # 1 KiB each: 1024 a bucket
+    plan = coalesced_bcast.plan_sync(tensors, src=0, bucket_bytes=1 << 20, ring_depth=2, speculate=True)
+
+    def fill(step):
+        for i, t in enumerate(tensors):
+            t.view(torch.int16).fill_(step * 7 + i)
+
+    def first_slot():  # what the packs of bucket 0 wrote: tensors 0..1023, in order
+        if cuda:
+            torch.cuda.synchronize()
+        return plan._ring[:1 << 20].view(torch.int16).view(1024, 512)
+
+    ring_ptr = None
+    for step in range(5):
+        fill(step)
+        stats = plan.run()
+        want = torch.stack([t.view(torch.int16) for t in tensors[:1024]])
+        assert torch.equal(first_slot(), want), f"step {step}: the first slot is not bucket 0's new values"
+        assert stats.speculated == (2 if step > 0 else 0), (step, stats)
+        if step == 1:
+            ring_ptr = plan._ring.data_ptr()
+            base = memory()
+        elif step > 1:
+            assert plan._ring.data_ptr() == ring_ptr, "the ring was not kept"
+    assert memory() == base
+    # a re-allocated tensor, replanned: a new ring and table, which point at the new memory
+    tensors[3].data = torch.zeros_like(tensors[3])
+    for step in (10, 11):
+        fill(step)
+        stats = plan.run(replan=True)
+        want = torch.stack([t.view(torch.int16) for t in tensors[:1024]])
+        assert torch.equal(first_slot(), want), f"step {step}: the first slot is not bucket 0's new values"
+        assert stats.speculated == (0 if step == 10 else 2), (step, stats)
+
+
+def test_speculating_kept_plan_packs_through_its_kept_table():
+    """A group of one rank: a speculating kept plan keeps its ring, and the copy table in it is uploaded once
+    (csrc/executor_cuda.cu set_table): each later run's packs still read every tensor's new values (the
+    source's first slot holds bucket 0 bitwise), no memory grows, and a replanned run's new table points at
+    a re-allocated tensor's new memory."""
+    run_ranks(1, kept_table_body, backend="nccl", timeout=120)

@@ -170,3 +170,10 @@ def _routes_body(rank, world_size):
 
 def test_kept_plan_agrees_routes_once():
     run_ranks(2, _routes_body)
+
+
+def test_speculating_kept_plan_packs_through_its_kept_ring():
+    """A group of one rank: each run of a speculating kept plan packs the tensors' new values into the ring it
+    kept (tests/test_gpu_single.py runs the same on a GPU, where the ring also keeps the copy table)."""
+    from test_gpu_single import kept_table_body
+    run_ranks(1, kept_table_body, "cpu")

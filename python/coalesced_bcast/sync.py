@@ -294,7 +294,8 @@ class SyncPlan:
             except BaseException:
                 prepared = early = None  # what it queued is ordered before the caller's stream, its ring freed
                 raise
-            if allowed is not None or void:  # void: allowed is not None on every rank of a group of two or more
+            dropped = allowed is not None or void  # void: allowed is not None on every rank of a group of two
+            if dropped:                                # or more (a group of one gets no routes back)
                 prepared = early = None  # laid out again below: its packs are not the new buckets'
             if allowed is not None:
                 inplace = plan.num_inplace
@@ -302,8 +303,8 @@ class SyncPlan:
                 self._rerouted += inplace - plan.num_inplace
                 logger.debug("coalesced_bcast: %d tensors go through buckets on every rank, as some rank cannot "
                              "send them in place", inplace - plan.num_inplace)
-                if self._speculate and _PREPARE and plan.can_prepare:
-                    prepared = plan.prepare(is_src)  # a ring to keep, so that the next run speculates again
+            if dropped and self._speculate and _PREPARE and plan.can_prepare:
+                prepared = plan.prepare(is_src)  # a ring to keep, so that the next run speculates again
             t_agreed, t_sent = time.perf_counter(), time.monotonic()
             enqueue_seconds, ring_bytes, _ = payload_broadcast(plan, pg, self._src_group, timeout, prepared=prepared)
             speculated = prepared.sent if prepared is not None else 0
