@@ -119,8 +119,9 @@ for s in $steps; do
         distributed/fsdp/test_fsdp_meta.py ;;
     # torchsuite_ddp: DDP over NCCL on the 2 GPUs (test_c10d_nccl's DistributedDataParallelTest, a subset that
     # covers the init sync's cases: dtypes, tied and complex parameters, channels_last, layouts, refusals).
+    # DDP_FILE_TIMEOUT: the subset takes ~250 s a mode; with MODES=with (one half) it can have ~550.
     torchsuite_ddp) step torchsuite_ddp 590 env PYTHONPATH="$PWD/torch_tests/site:$PYTHONPATH" \
-        OUT="$LOGS/torch_suite" FILE_TIMEOUT=280 bash scripts/torch_suite/run.sh torch_tests/test "$PY" \
+        OUT="$LOGS/torch_suite" FILE_TIMEOUT=${DDP_FILE_TIMEOUT:-280} bash scripts/torch_suite/run.sh torch_tests/test "$PY" \
         "distributed/test_c10d_nccl.py|DistributedDataParallelTest and (fp16 or weight_sharing or complex_params or channels_last or grad_layout or param_layout or lazy_parameters or pass_default_pg or nccl_backend or multi_device_module_config or packed_sequence)" ;;
     # accelerate's FSDP1 plugin (sync_module_states, cpu_ram_efficient_loading, a tied Llama) without and with install().
     accelerate) step accelerate 300 bash -c "$RUN bench/accelerate_fsdp1.py --mode torch --out $LOGS/accelerate.jsonl; \
