@@ -163,7 +163,6 @@ class SyncPlan:
         # through, and the ring that run used; None when the last run did not go through.
         self._agreed: Optional[tuple] = None
         self._ring: Optional[torch.Tensor] = None
-        self._checked = 0  # inputs [0, _checked) found unchanged in this run already (the speculating source's)
         self._pg = _resolve_group(group)
         self._rank = dist.get_rank()
         self._names = _Names(names) if callable(names) else list(names) if names is not None else []
@@ -205,9 +204,9 @@ class SyncPlan:
     def tensors(self) -> list[torch.Tensor]:
         return self._tensors
 
-    def _changed(self) -> Optional[str]:
-        """What changed since the plan was made, in words; None if nothing."""
-        checked, self._checked = self._checked, 0
+    def _changed(self, start: int = 0) -> Optional[str]:
+        """What changed since the plan was made, in words; None if nothing. start: inputs before it were found
+        unchanged in this run already."""
         if self._slots is not None:
             i = _C.first_replaced(*self._slots)
             if i >= 0:
@@ -215,7 +214,7 @@ class SyncPlan:
                 return (f"{label} on rank {self._rank} was replaced by another object since the plan was made "
                         f"(a parameter or buffer assigned anew)")
         if self._plan is not None:
-            return self._plan.check_unchanged(start=checked) or None
+            return self._plan.check_unchanged(start=start) or None
         return None
 
     @gc_paused
@@ -227,9 +226,9 @@ class SyncPlan:
         was made, plan again (every rank then agrees on the new plan) instead of raising.
         """
         self._t0 = time.perf_counter()
-        early = self._send_early(timeout)
+        early, checked = self._send_early(timeout)
         error = self._error
-        changed = self._changed() if error is None else None
+        changed = self._changed(checked) if error is None else None
         if changed is not None and not replan:
             error = ValueError(f"{changed}; make a new plan or run(replan=True)")
         elif changed is not None:
@@ -240,27 +239,27 @@ class SyncPlan:
             error = self._error
         return self._send(timeout, verify, error, early)
 
-    def _send_early(self, timeout: Optional[Union[float, timedelta]]) -> Optional[tuple]:
+    def _send_early(self, timeout: Optional[Union[float, timedelta]]) -> tuple[Optional[tuple], int]:
         """speculate: the first buckets, ring to ring, before this rank's check and the agreement; every rank
         sends them, whatever it finds, on the layout all agreed on in the last run that went through, with
         that run's ring (nothing to allocate). The source first checks what they read (a re-allocated
         tensor's old memory may be gone), and where that changed sends its slots unpacked. Returns
-        (the PreparedRun, its plan, the plan's layout generation then), or None."""
+        ((the PreparedRun, its plan, the plan's layout generation then) or None, how many inputs from the
+        first it found unchanged)."""
         agreed, self._agreed = self._agreed, None
         ring, self._ring = self._ring, None
         if agreed is None or not _PREPARE:
-            return None
+            return None, 0
         plan, generation = agreed
         is_src = self._rank == self.src
         pack = False
         if is_src and self._error is None and self._plan is plan and plan.layout_generation == generation:
             first = plan.inputs_of_buckets(plan.ring_slots)
             pack = plan.check_unchanged(first) == ""
-            self._checked = first if pack else 0  # _changed() passes over them
         with group_timeout(self._pg, timeout):
             prepared = plan.prepare(is_src, pack=pack, ring=ring)
             speculate(prepared, self._pg, self._src_group, timeout)
-        return prepared, plan, generation
+        return (prepared, plan, generation), first if pack else 0
 
     def _send(self, timeout, verify: bool, error: Optional[BaseException], early: Optional[tuple] = None) -> SyncStats:
         """Agree (digest, routes, refusals: `error` is this rank's), then broadcast through the C++ pipeline.
