@@ -293,8 +293,9 @@ class SyncPlan:
             except BaseException:
                 prepared = early = None  # what it queued is ordered before the caller's stream, its ring freed
                 raise
-            dropped = allowed is not None or void  # void: allowed is not None on every rank of a group of two
-            if dropped:                                # or more (a group of one gets no routes back)
+            # void: allowed is not None on every rank of a group of two or more; a group of one gets no routes back
+            dropped = allowed is not None or void
+            if dropped:
                 prepared = early = None  # laid out again below: its packs are not the new buckets'
             if allowed is not None:
                 inplace = plan.num_inplace
