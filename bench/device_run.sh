@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one call on the device machine (nvidia-h200-x2):
-#   bash bench/device_run.sh [STEP...]     steps: env build gputest gpusingle loadcalls refittest refit bench trace keptab init agree fsdp2 loadcheck loadphases modulewalk soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta torchsuite_ddp accelerate planhost copykernels (default: all but the torchsuite ones)
+#   bash bench/device_run.sh [STEP...]     steps: env build gputest gpusingle loadcalls refittest refit bench trace keptab init agree fsdp2 loadcheck loadphases loadtimeline modulewalk soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta torchsuite_ddp accelerate planhost copykernels (default: all but the torchsuite ones)
 # Builds the extension in place with the machine's own torch (or takes prebuilt/, carried, made here by
 # scripts/prebuild_device.sh for these sources and that torch), then runs each step. Logs and results
 # go to $LOGS (default /tmp/device_run) and, after every step, into one archive $OUT/device_run.tgz
@@ -85,6 +85,8 @@ for s in $steps; do
     soak) step soak 200 $RUN bench/soak.py --out "$LOGS/soak.jsonl" ;;
     modulewalk) step modulewalk 200 $RUN bench/module_walk.py ;;
     loadphases) step loadphases 200 $RUN bench/profile_load.py --phases --out "$LOGS/load_phases.txt" ;;
+    # loadtimeline: both ranks' phases of one 16k-key load on one clock (which rank the agreement waits for)
+    loadtimeline) step loadtimeline 200 $RUN bench/profile_load.py --timeline --out "$LOGS/load_timeline.txt" ;;
     gpuchecks) step gpuchecks 200 $RUN bench/soak.py --mode gpu-checks --out "$LOGS/soak-gpu-checks.jsonl" ;;
     timeout) step timeout 300 $PY bench/soak.py --mode timeout --out "$LOGS/soak-timeout.jsonl" ;;
     planhost) step planhost 300 bash -c '

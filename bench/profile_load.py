@@ -3,6 +3,8 @@ small tensors (default 16,384), the source state pinned on rank 0's CPU; with --
 the wall time of each phase of the load (state_dict.py's functions), the last of 4 loads.
 
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/profile_load.py [--count N] [--phases] [--out FILE]
+
+--timeline: each rank's phases of one load against a common clock, to see which rank the others wait for.
 """
 import argparse
 import contextlib
@@ -29,6 +31,8 @@ def main():
     ap.add_argument("--count", type=int, default=16384)
     ap.add_argument("--out", default=None)
     ap.add_argument("--phases", action="store_true", help="time each phase instead of profiling")
+    ap.add_argument("--timeline", action="store_true",
+                    help="each rank's phases as start-end ms from a common start (after a barrier), the last of 4 loads")
     args = ap.parse_args()
     device = dist_setup.init()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -41,8 +45,8 @@ def main():
     if dist.get_rank() == 0:
         pin = device.type == "cuda"
         sd = {k: torch.zeros(v.shape, dtype=torch.bfloat16, pin_memory=pin) for k, v in model.state_dict().items()}
-    if args.phases:
-        phases(model, sd, args)
+    if args.phases or args.timeline:
+        (timeline if args.timeline else phases)(model, sd, args)
         dist.destroy_process_group()
         return
     for _ in range(2):  # warm-up
@@ -70,20 +74,16 @@ PHASES = ["_model_device", "_describe_source", "_broadcast_meta", "_plan_local",
 
 
 @contextlib.contextmanager
-def phase_ranges():
-    """Inside: each of state_dict.py's phases (and the model's state_dict()) runs under a profiler range of its
-    own name, so that a torch.profiler trace shows where the host was while the GPU worked."""
+def _wrapped(names, around):
+    """Inside: each of state_dict.py's functions `names` runs as around(name, call) runs it."""
     from coalesced_bcast import state_dict as S
-    originals = {name: getattr(S, name) for name in PHASES + ["_walk_modules"]}
+    originals = {name: getattr(S, name) for name in names}
 
-    def ranged(name, fn):
-        def run(*a, **kw):
-            with torch.profiler.record_function(name):
-                return fn(*a, **kw)
-        return run
+    def wrap(name, fn):
+        return lambda *a, **kw: around(name, lambda: fn(*a, **kw))
 
     for name, fn in originals.items():
-        setattr(S, name, ranged(name, fn))
+        setattr(S, name, wrap(name, fn))
     try:
         yield
     finally:
@@ -92,29 +92,79 @@ def phase_ranges():
 
 
 @contextlib.contextmanager
+def phase_ranges():
+    """Inside: each of state_dict.py's phases (and the model's state_dict()) runs under a profiler range of its
+    own name, so that a torch.profiler trace shows where the host was while the GPU worked."""
+    def ranged(name, call):
+        with torch.profiler.record_function(name):
+            return call()
+
+    with _wrapped(PHASES + ["_walk_modules"], ranged):
+        yield
+
+
+@contextlib.contextmanager
 def phase_timers():
     """Inside: state_dict.py's phases wrapped with timers; yields {phase: seconds}, summed over the loads
     made inside (bench/fsdp2_load.py --phases uses it too)."""
-    from coalesced_bcast import state_dict as S
     spent = dict.fromkeys(PHASES, 0.0)
-    originals = {name: getattr(S, name) for name in PHASES}
 
-    def timed(name, fn):
-        def run(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                spent[name] += time.perf_counter() - t0
-        return run
+    def timed(name, call):
+        t0 = time.perf_counter()
+        try:
+            return call()
+        finally:
+            spent[name] += time.perf_counter() - t0
 
-    for name, fn in originals.items():
-        setattr(S, name, timed(name, fn))
-    try:
+    with _wrapped(PHASES, timed):
         yield spent
-    finally:
-        for name, fn in originals.items():
-            setattr(S, name, fn)
+
+
+@contextlib.contextmanager
+def phase_spans():
+    """Inside: state_dict.py's phases (and the module walk) wrapped to record (name, start, end) in wall-clock
+    seconds, which processes on one host share; yields the list."""
+    spans: list = []
+
+    def spanned(name, call):
+        t0 = time.time()
+        try:
+            return call()
+        finally:
+            spans.append((name, t0, time.time()))
+
+    with _wrapped(PHASES + ["_walk_modules"], spanned):
+        yield spans
+
+
+def timeline(model, sd, args):
+    """Each rank's phases of one load (the last of 4) as start-end ms from the moment all ranks left a barrier:
+    where one rank waits for another (the metadata, the agreement) shows as a gap in the waiting rank's work."""
+    for _ in range(4):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        dist.barrier()
+        with phase_spans() as spans:
+            t0 = time.time()
+            coalesced_bcast.load_full_state_dict(model, sd)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            end = time.time()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (t0, end, spans))
+    if dist.get_rank() == 0:
+        start = min(t for t, _, _ in everyone)
+        lines = [f"load of {args.count} keys over {dist.get_world_size()} ranks ({torch.__version__}), one load's "
+                 f"phases per rank, ms from the common start"]
+        for r, (t, e, sp) in enumerate(everyone):
+            lines.append(f"rank {r}: entered {1e3 * (t - start):.1f}, returned {1e3 * (e - start):.1f}")
+            lines += [f"  {name:18s} {1e3 * (a - start):8.1f} - {1e3 * (b - start):8.1f} ({1e3 * (b - a):.1f})"
+                      for name, a, b in sorted(sp, key=lambda x: x[1])]
+        text = "\n".join(lines) + "\n"
+        print(text, flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
 
 
 def phases(model, sd, args):

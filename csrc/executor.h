@@ -73,7 +73,9 @@ class Executor {
   // call of the same plan and layout, whose tensors the plan's check found unchanged): only read from there.
   virtual void set_table(at::Tensor /*table*/, bool /*uploaded*/ = false) {}
   // A ring kept across calls (speculate) is used on this call's streams: when it
-  // is finally freed, its memory must not be reused before they are done with it.
+  // is finally freed, its memory must not be reused before they are done with it;
+  // and this call's first writes into it must follow the last call's reads of it,
+  // whatever stream either caller ran on.
   virtual void hold(const at::Tensor& /*ring*/) {}
   // Pinned host bytes the executor holds (a load's host stage).
   virtual int64_t host_bytes() const {

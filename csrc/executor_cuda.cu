@@ -149,9 +149,19 @@ class CudaExecutor final : public Executor {
 
   // The caller's stream waits for the lanes at end(); recorded on it, the ring's free (a later call's,
   // on whatever stream it was allocated) waits for this call's caller's stream, and so for the lanes.
+  // And each lane waits for the other's tail: the call that last used the ring ran on these same lanes,
+  // but its end() ordered only its own caller's stream after them, and begin() orders the lanes after this
+  // caller's, which may be another stream not ordered after that one. Without it, this call's first
+  // broadcast into a slot (comm lane) could overtake the last call's unpack of that slot (copy lane),
+  // and its first pack the last call's broadcast out of it.
   void hold(const at::Tensor& ring) override {
     if (ring.defined() && ring.numel() > 0) {
       c10::cuda::CUDACachingAllocator::recordStream(ring.storage().data_ptr(), caller_);
+      at::cuda::CUDAEvent comm_tail, copy_tail;
+      comm_tail.record(comm_);
+      copy_tail.record(copy_);
+      comm_tail.block(copy_);
+      copy_tail.block(comm_);
     }
   }
 

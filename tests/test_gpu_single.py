@@ -457,6 +457,45 @@ def kept_table_body(rank, world_size, device_type="cuda"):
         assert stats.speculated == (0 if step == 10 else 2), (step, stats)
 
 
+def _kept_ring_lanes_body(rank, world_size):
+    dev = torch.device("cuda", 0)
+    tensors = [torch.zeros(512, dtype=torch.bfloat16, device=dev) for _ in range(4096)]  # 4 buckets of 1 MiB
+    plan = coalesced_bcast.plan_sync(tensors, src=0, bucket_bytes=1 << 20, ring_depth=2, speculate=True)
+    plan.run()
+    torch.cuda.synchronize()
+    ring = plan._ring
+    assert ring is not None, "a speculating plan keeps its ring"
+    # The last run's work on the copy lane (a receiver's unpacks) still running, as seen from a caller on
+    # another stream: a kernel of ~1 s queued on that lane.
+    with torch.cuda.stream(_lane("copy")):
+        torch.cuda._sleep(2_000_000_000)
+    other = torch.cuda.Stream(device=dev)
+    with torch.cuda.stream(other):
+        prepared = plan._plan.prepare(True, pack=False, ring=ring)  # the next run's ring: the kept one
+    mark = torch.cuda.Event()
+    mark.record(_lane("comm"))
+    time.sleep(0.05)
+    ordered = not mark.query()  # the comm lane (its broadcasts into the slots) waits for the copy lane's tail
+    del prepared
+    torch.cuda.synchronize()
+    assert ordered, "the comm lane did not wait for the copy lane's tail before writing the kept ring again"
+    # and the plan still runs bitwise after it
+    for i, t in enumerate(tensors):
+        t.view(torch.int16).fill_(i)
+    want = [t.clone() for t in tensors]
+    plan.run()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(tensors, want))
+
+
+def test_kept_ring_orders_lanes_across_caller_streams():
+    """A kept ring (speculate) is written by the next run's first broadcasts on the comm lane before the
+    agreement; the run that last used it ordered only its own caller's stream after its lanes. So making the
+    next run's ring from the kept one makes each lane wait for the other's tail (csrc/executor_cuda.cu hold()):
+    with a second-long kernel on the copy lane, work queued on the comm lane after it does not run first."""
+    run_ranks(1, _kept_ring_lanes_body, backend="nccl", timeout=120)
+
+
 def test_speculating_kept_plan_packs_through_its_kept_table():
     """A group of one rank: a speculating kept plan keeps its ring, and the copy table in it is uploaded once
     (csrc/executor_cuda.cu set_table): each later run's packs still read every tensor's new values (the
