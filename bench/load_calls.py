@@ -66,6 +66,12 @@ class TimedC:
 def sync():
     if cuda: torch.cuda.synchronize()
 S._C = TimedC()
+# The Python steps around the _C calls on the source's way to its first copy, timed under their names too.
+py_steps = {name: getattr(S, name) for name in ("_model_state", "_walk_modules", "_match_keys", "_digest")
+            if hasattr(S, name)}  # (an older tree, in an A/B run, may lack some)
+for name, fn in py_steps.items():
+    setattr(S, name, timed(name, fn))
+model.state_dict = timed("model.state_dict", model.state_dict)  # the load's own call (keep_vars=True)
 for i in range(6):
     spent.clear()
     with profile_load.phase_timers() as ph:
@@ -74,12 +80,16 @@ for i in range(6):
         sync(); w = time.perf_counter() - t0
     print(f"load {i}: {w*1e3:.1f} ms | " + " ".join(f"{k}={v*1e3:.1f}" for k, v in ph.items()) + " | " + " ".join(f"{k}={v*1e3:.1f}" for k, v in sorted(spent.items(), key=lambda x: -x[1])), flush=True)
 S._C = _C
+for name, fn in py_steps.items():
+    setattr(S, name, fn)
+del model.state_dict
 def tm(fn, n=5):
     best = 1e9
     for _ in range(n):
         sync(); t0 = time.perf_counter(); fn(); sync(); best = min(best, time.perf_counter() - t0)
     return best * 1e3
-print(f"model.state_dict(): {tm(lambda: model.state_dict()):.1f} ms")
+print(f"model.state_dict(): {tm(lambda: model.state_dict()):.1f} ms (keep_vars=True, as the load calls it: "
+      f"{tm(lambda: model.state_dict(keep_vars=True)):.1f} ms)")
 print(f"load_dests alone: {tm(lambda: _C.load_dests(*cap['load_dests'])):.1f} ms")
 def plan_once():
     r = _C.load_dests(*cap["load_dests"]); a = list(cap["start_load_plan"]); a[2] = r[0]; a[3] = r[1]; a[0] = r[2]

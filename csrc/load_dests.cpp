@@ -397,17 +397,18 @@ py::tuple load_dests(
   return py::make_tuple(py::cast(TensorList{std::move(locals)}), meta_t, units_t, src_rows, cast_keys, problems);
 }
 
-std::tuple<std::optional<c10::Device>, int64_t> first_device(const py::list& values, const py::handle& dtensor_type) {
-  const auto n = static_cast<int64_t>(values.size());
-  for (int64_t i = 0; i < n; ++i) {
-    PyObject* v = PyList_GET_ITEM(values.ptr(), i);
-    if (!THPVariable_Check(v)) continue;  // extra state, or anything else a state_dict hook put there
-    const int is_dtensor = PyObject_IsInstance(v, dtensor_type.ptr());
+std::tuple<std::optional<c10::Device>, int64_t> first_device(const py::iterable& values,
+                                                             const py::handle& dtensor_type) {
+  int64_t i = 0;
+  for (const auto v : values) {  // an iterable, read up to the first found: no list of every value made
+    const int64_t index = i++;
+    if (!THPVariable_Check(v.ptr())) continue;  // extra state, or anything else a state_dict hook put there
+    const int is_dtensor = PyObject_IsInstance(v.ptr(), dtensor_type.ptr());
     if (is_dtensor < 0) throw py::error_already_set();
     py::object local = is_dtensor == 1 ? attr(v, "_local_tensor") : py::reinterpret_borrow<py::object>(v);
     if (!THPVariable_Check(local.ptr())) continue;
     const at::Tensor& t = THPVariable_Unpack(local.ptr());
-    if (t.is_meta() || t.numel() > 0) return {t.device(), i};
+    if (t.is_meta() || t.numel() > 0) return {t.device(), index};
   }
   return {std::nullopt, -1};
 }

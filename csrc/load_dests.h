@@ -56,6 +56,8 @@ py::tuple load_dests(
 // tensors) that has elements or is on the meta device, and its index; (none,
 // -1) if there is none. load_dests checks every loaded tensor against it: a
 // pass over the values of its own cost as much as a key's checks there.
-std::tuple<std::optional<c10::Device>, int64_t> first_device(const py::list& values, const py::handle& dtensor_type);
+// `values`: any iterable (a dict's values), read only up to that tensor.
+std::tuple<std::optional<c10::Device>, int64_t> first_device(const py::iterable& values,
+                                                             const py::handle& dtensor_type);
 
 }  // namespace coalesced_bcast

@@ -297,7 +297,8 @@ def check_errors(rank: int, ws: int) -> None:
             unmade = Net()
     else:
         unmade = model
-    expect_error(lambda: load_full_state_dict(unmade, sd if rank == 0 else None, **SMALL), "meta device", "to_empty")
+    expect_error(lambda: load_full_state_dict(unmade, sd if rank == 0 else None, **SMALL),
+                 "'big' is on the meta device", "to_empty")
     # One tensor left on meta past the first (the device comes from the first; each loaded one is checked):
     # named, refused on every rank, nothing written anywhere.
     half = build_plain(rank)
@@ -408,6 +409,36 @@ def run_all_3(rank: int, ws: int) -> None:
 
 def test_exported() -> None:
     assert coalesced_bcast.load_full_state_dict is load_full_state_dict
+
+
+def test_checkpoint_keys_cross_as_one_string_and_split_back() -> None:
+    """The metadata's keys go as one NUL-joined string where that splits back into them, else as the list; every
+    rank compares its model's keys with them either way (state_dict.py _joined, _to_wire, _same_keys)."""
+    import pickle
+    from coalesced_bcast.state_dict import _ModelState, _checkpoint_keys, _from_wire, _joined, _same_keys, _to_wire
+
+    def model(keys, joined):
+        return _ModelState(keys, joined, [])
+    for keys in ([], [""], ["", "x", ""], ["a.weight", "b.bias"], ["é.ü", "k"], ["a\0b", "c"], [7, "a"]):
+        joined = _joined(keys)
+        splits = all(isinstance(k, str) and "\0" not in k for k in keys)
+        assert (joined is not None) == splits, (keys, joined)
+        meta = dict(fatal=None, keys=list(keys), num_keys=len(keys), keys_joined=joined, rows=None, table=None,
+                    canon=None)
+        wire = _to_wire(meta)
+        assert (wire["keys"] is None) == splits, keys  # the list stays home where the string goes
+        back = _from_wire(pickle.loads(pickle.dumps(wire)))
+        model_keys = model(list(keys), _joined(keys))
+        assert _same_keys(back, model_keys), keys
+        assert _checkpoint_keys(back) == keys, (keys, back["keys"])  # split back (or sent as it was)
+        if keys:
+            other = list(keys[:-1]) + ["zz"]
+            assert not _same_keys(_from_wire(pickle.loads(pickle.dumps(wire))), model(other, _joined(other))), keys
+            assert not _same_keys(_from_wire(pickle.loads(pickle.dumps(wire))), model(other, None)), keys
+    # A key with a NUL on one side only: never equal to the keys it would join like.
+    a, b = ["a\0b"], ["a", "b"]
+    meta = dict(fatal=None, keys=a, num_keys=1, keys_joined=_joined(a), rows=None, table=None, canon=None)
+    assert not _same_keys(_from_wire(pickle.loads(pickle.dumps(_to_wire(meta)))), model(b, _joined(b)))
 
 
 def test_two_ranks() -> None:

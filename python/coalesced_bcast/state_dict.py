@@ -30,7 +30,7 @@ import time
 import types
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -144,8 +144,10 @@ def load_full_state_dict(
         timeout = timedelta(seconds=timeout)
     with torch.no_grad():
         model_sd, extra_mods, owned, error = None, {}, _C.IdSet(()), None
+        model_keys = _NO_MODEL_STATE
         try:
             model_sd = model.state_dict(keep_vars=True)  # FSDP2's pre-hook reshards first
+            model_keys = _model_state(model_sd)
             extra_mods, owned, custom = _walk_modules(model)
             if custom and not skip_custom_load_logic:
                 unserved, hooks = _custom_load_logic(custom)
@@ -156,21 +158,21 @@ def load_full_state_dict(
                                      "does not: " + "; ".join(unserved) + ". Load such a model with load_state_dict, "
                                      "or pass skip_custom_load_logic=True where that logic does nothing that a "
                                      "plain copy of the checkpoint's values into the tensors does not")
-            device = _model_device(model_sd, extra_mods, pg)
+            device = _model_device(model_sd, model_keys, extra_mods, pg)
         except Exception as e:  # reported through the agreement below, so no rank is left waiting
             error, device = f"{type(e).__name__}: {e}", ctrl
         meta, src_tensors = None, None
         if is_src:
             try:
                 meta, src_tensors = _describe_source(sd, extra_mods, device, error, bucket_bytes, ring_depth, rank,
-                                                     model_sd)
+                                                     model_sd, model_keys)
             except Exception as e:  # the others are already waiting for the metadata: tell them
                 meta, src_tensors = dict(fatal=f"rank {rank}: {type(e).__name__}: {e}"), None
         meta, unreadable = _broadcast_meta(meta, pg, src_g, ctrl, rank)
         if meta["fatal"]:
             raise LoadStateDictError(f"load_full_state_dict: source rank {src} refused, so no rank loaded "
                                      f"anything: {meta['fatal']}")
-        plan = _plan_local(model, model_sd, extra_mods, owned, meta, src_tensors, strict, device, rank,
+        plan = _plan_local(model, model_sd, model_keys, extra_mods, owned, meta, src_tensors, strict, device, rank,
                            error or unreadable, bucket_bytes, ring_depth, copy_threads)
         strict_after_hooks = _agree(plan, pg, src_g, ctrl, rank)
         buckets, reads = _transfer(plan, pg, src_g, is_src, timeout, progress_seconds, t0)
@@ -309,14 +311,18 @@ def _pre_hook_changes(hooks: list, sd: Mapping[str, Any], strict: bool) -> list[
     return found
 
 
-def _model_device(model_sd: Mapping[str, Any], extra: Mapping[str, nn.Module],
+def _model_device(model_sd: Mapping[str, Any], state: _ModelState, extra: Mapping[str, nn.Module],
                   pg: dist.ProcessGroup) -> torch.device:
     """The device of the model's first tensor with elements; load_dests checks each loaded tensor against it."""
-    keys = [k for k in model_sd if k not in extra] if extra else list(model_sd)
-    values = [model_sd[k] for k in keys] if extra else list(model_sd.values())
+    # Read up to the first tensor only, where extra states are passed over.
+    values = (v for k, v in model_sd.items() if k not in extra) if extra else state.values
     device, index = _C.first_device(values, _dtensor.classes()[0])
+
+    def key() -> str:  # the key of value `index` (none found: the last), for an error
+        keys = [k for k in state.keys if k not in extra]
+        return keys[index] if keys else "(no tensor)"
     if device is not None and device.type == "meta":
-        raise ValueError(f"'{keys[index]}' is on the meta device: materialize the model first "
+        raise ValueError(f"'{key()}' is on the meta device: materialize the model first "
                          f"(model.to_empty(device=...))")
     device = device if device is not None else _control_device(pg)
     backend = str(dist.get_backend(pg))
@@ -326,7 +332,7 @@ def _model_device(model_sd: Mapping[str, Any], extra: Mapping[str, nn.Module],
             # Host tensors (FSDP2's CPUOffloadPolicy) over a GPU group: the bytes cross on the group's GPU,
             # and the load writes them into host memory from there (load_plan.cpp: pinned or pageable).
             return ctrl
-        raise ValueError(f"the model is in host memory ('{keys[index]}') but the group's backend is {backend}, "
+        raise ValueError(f"the model is in host memory ('{key()}') but the group's backend is {backend}, "
                          f"which has no host device to load through: use a gloo group")
     return device
 
@@ -340,14 +346,62 @@ def _source_problem(v: Any) -> str:
     return f"a tensor subclass ({type(v).__name__}), not a plain tensor"
 
 
+def _joined(keys: list) -> Optional[str]:
+    """The keys joined by NULs where that splits back into them (every key a string without a NUL); else None.
+    Keys compare, hash and cross the wire as one string: at 16k keys a list costs a Python step per key in each
+    comparison and in pickling, most of them cache misses on strings made long before."""
+    try:
+        joined = "\0".join(keys)
+    except TypeError:  # a key that is not a string
+        return None
+    return joined if joined.count("\0") == max(len(keys) - 1, 0) else None
+
+
+def _keys_and_joined(d: Mapping[str, Any]) -> tuple[list, Optional[str]]:
+    keys = list(d)
+    return keys, _joined(keys)
+
+
+class _ModelState(NamedTuple):
+    """The model's state_dict() keys and values as lists, made while state_dict() has just touched every one of
+    them (later, at 16k keys, each is a cache miss), and the keys joined (_joined)."""
+    keys: list
+    joined: Optional[str]
+    values: list
+
+
+_NO_MODEL_STATE = _ModelState([], None, [])
+
+
+def _model_state(model_sd: Mapping[str, Any]) -> _ModelState:
+    keys, joined = _keys_and_joined(model_sd)
+    return _ModelState(keys, joined, list(model_sd.values()))
+
+
+def _same_keys(meta: dict, model_keys: _ModelState) -> bool:
+    """Whether the model's keys are the checkpoint's, in its order."""
+    theirs, mine = meta.get("keys_joined"), model_keys.joined
+    if theirs is not None and mine is not None:
+        return theirs == mine  # each splits back into its keys alone, so equal strings are equal keys
+    return _checkpoint_keys(meta) == model_keys.keys
+
+
+def _checkpoint_keys(meta: dict) -> list[str]:
+    """The checkpoint's keys (on the wire as one joined string where it can be: _to_wire), split once."""
+    if meta["keys"] is None:
+        meta["keys"] = meta["keys_joined"].split("\0") if meta["num_keys"] else []
+    return meta["keys"]
+
+
 def _describe_source(sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Module], device: torch.device,
                      error: Optional[str], bucket_bytes: int, ring_depth: int, rank: int,
-                     model_sd: Optional[Mapping[str, Any]] = None) -> tuple[dict, Any]:
+                     model_sd: Optional[Mapping[str, Any]] = None,
+                     model_keys: _ModelState = _NO_MODEL_STATE) -> tuple[dict, Any]:
     """The metadata every rank plans from: the keys; for the plain tensors among the values (their key
     indices in `rows`) a C++-made table of dtype, ndim and sizes and, in `canon`, per row the first row that is
     the same tensor (ties are sent once); extra states (`extras`, pickled objects) and refusals (`bad`)."""
-    meta: dict[str, Any] = dict(fatal=None, keys=[], rows=None, table=None, canon=None, extras={}, bad={},
-                                bucket_bytes=bucket_bytes, ring_depth=ring_depth, norm_versions={})
+    meta: dict[str, Any] = dict(fatal=None, keys=[], num_keys=0, keys_joined=None, rows=None, table=None, canon=None,
+                                extras={}, bad={}, bucket_bytes=bucket_bytes, ring_depth=ring_depth, norm_versions={})
     if error is None and not isinstance(sd, Mapping):
         error = f"sd is {'None' if sd is None else 'a ' + type(sd).__name__} on the source; pass the full state dict"
     if error is None:
@@ -355,8 +409,9 @@ def _describe_source(sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Mod
     if error is not None:
         meta["fatal"] = f"rank {rank}: {error}"
         return meta, []
-    keys = meta["keys"] = list(sd.keys())
-    bad_key = None if set(map(type, keys)) <= {str} else next((k for k in keys if not isinstance(k, str)), None)
+    keys, joined = _keys_and_joined(sd)
+    meta["keys"], meta["num_keys"], meta["keys_joined"] = keys, len(keys), joined
+    bad_key = None if joined is not None else next((k for k in keys if not isinstance(k, str)), None)
     if bad_key is not None:
         meta["fatal"] = f"rank {rank}: the state dict has a key that is not a string: {bad_key!r}"
         return meta, []
@@ -374,7 +429,7 @@ def _describe_source(sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Mod
                 tensors.append(v)
             else:
                 meta["bad"][i] = _source_problem(v)
-    if model_sd is not None and keys != list(model_sd):  # the same keys in order: none lacking
+    if model_sd is not None and not _same_keys(meta, model_keys):  # the same keys in order: none lacking
         meta["norm_versions"] = _norm_versions(sd, model_sd)
     table, canon, problems, tensors = _C.describe_tensors(tensors, device)  # tensors: now a _C.TensorList
     for j, why in problems:
@@ -442,18 +497,24 @@ def _broadcast_meta(meta: Optional[dict], pg: dist.ProcessGroup, src_g: int, ctr
     dist.broadcast(n, src, group=pg)
     total = int(n.item())
     host = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if meta is not None else torch.empty(total, dtype=torch.uint8)
-    chunk = torch.empty(min(total, _META_CHUNK), dtype=torch.uint8, device=ctrl)
-    for lo in range(0, total, _META_CHUNK):
-        part = chunk[:min(_META_CHUNK, total - lo)]
-        if meta is not None:
-            part.copy_(host[lo:lo + part.numel()])
-        dist.broadcast(part, src, group=pg)
-        if meta is None:
-            host[lo:lo + part.numel()].copy_(part)
+    if ctrl.type == "cpu":
+        # gloo reads and writes host memory: the bytes go as they lie, in one broadcast (a staging copy in
+        # pieces cost 5-8 ms per 512 KiB on the 2-core CI machine, where torch's copy_ ran on two threads).
+        if total:
+            dist.broadcast(host, src, group=pg)
+    else:
+        chunk = torch.empty(min(total, _META_CHUNK), dtype=torch.uint8, device=ctrl)
+        for lo in range(0, total, _META_CHUNK):
+            part = chunk[:min(_META_CHUNK, total - lo)]
+            if meta is not None:
+                part.copy_(host[lo:lo + part.numel()])
+            dist.broadcast(part, src, group=pg)
+            if meta is None:
+                host[lo:lo + part.numel()].copy_(part)
     if meta is not None:
         return meta, None
     try:
-        return _from_wire(pickle.loads(host.numpy().tobytes())), None
+        return _from_wire(pickle.loads(memoryview(host.numpy()))), None
     except Exception as e:  # an extra state whose class this process cannot import, say
         return dict(fatal=None), (f"the source's metadata cannot be unpickled on rank {rank}: "
                                   f"{type(e).__name__}: {e}")
@@ -464,8 +525,11 @@ _WIRE_TABLES = ("rows", "table", "canon")  # the metadata's int64 tensors
 
 def _to_wire(meta: dict) -> dict:
     """The metadata with its int64 tables as (shape, raw bytes): a pickled tensor goes through torch's storage
-    reduction, 3-4x the time of the rest of the metadata at 16k keys."""
+    reduction, 3-4x the time of the rest of the metadata at 16k keys; and its keys as one joined string, where
+    they can be, not a list."""
     wire = dict(meta)
+    if wire.get("keys_joined") is not None:
+        wire["keys"] = None  # the joined string goes instead (_checkpoint_keys)
     for k in _WIRE_TABLES:
         t = wire.get(k)
         if isinstance(t, torch.Tensor):
@@ -503,7 +567,8 @@ class _Plan:
         self.host_ring_bytes = 0
 
 
-def _plan_local(model: nn.Module, model_sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Module],
+def _plan_local(model: nn.Module, model_sd: Optional[Mapping[str, Any]], model_keys: _ModelState,
+                extra: Mapping[str, nn.Module],
                 owned: Any, meta: dict, src_tensors: Any, strict: bool, device: torch.device, rank: int,
                 error: Optional[str], bucket_bytes: int, ring_depth: int, copy_threads: Optional[int]) -> _Plan:
     plan = _Plan()
@@ -511,8 +576,8 @@ def _plan_local(model: nn.Module, model_sd: Optional[Mapping[str, Any]], extra: 
         if error is not None:
             plan.errors.append(error)
         else:
-            _plan_keys(plan, model, model_sd, extra, owned, meta, src_tensors, strict, device, rank, bucket_bytes,
-                       ring_depth, copy_threads)
+            _plan_keys(plan, model, model_sd, model_keys, extra, owned, meta, src_tensors, strict, device, rank,
+                       bucket_bytes, ring_depth, copy_threads)
     except Exception as e:  # a bug or a refusal of the engine must reach the other ranks, not strand them
         plan.errors.append(f"{type(e).__name__}: {e}")
     if plan.errors:
@@ -520,7 +585,8 @@ def _plan_local(model: nn.Module, model_sd: Optional[Mapping[str, Any]], extra: 
     return plan
 
 
-def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra: Mapping[str, nn.Module],
+def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], model_keys: _ModelState,
+               extra: Mapping[str, nn.Module],
                owned: Any, meta: dict,
                src_tensors: Any, strict: bool, device: torch.device, rank: int,
                bucket_bytes: int, ring_depth: int, copy_threads: Optional[int]) -> None:
@@ -528,7 +594,8 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
         plan.errors.append(f"bucket_bytes={bucket_bytes}, ring_depth={ring_depth} on rank {rank}, but the source "
                            f"uses {meta['bucket_bytes']}, {meta['ring_depth']}; pass the same options everywhere")
         return
-    load_keys, values, value_rows, value_keys, extra = _match_keys(plan, model, model_sd, extra, meta, strict, rank)
+    load_keys, values, value_rows, value_keys, extra = _match_keys(plan, model, model_sd, model_keys, extra, meta,
+                                                                   strict, rank)
     boxes: dict = {}  # per (mesh, placements, shape) of an n-D mesh: this rank's box, found once
 
     def mesh_facts(mesh) -> tuple[bool, int, int, int]:
@@ -549,7 +616,7 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
         Replicate, mesh_facts, nd_box, device, rank, _scalar_from_any_1dim())
     plan.errors += [msg.replace(_C.key_mark, value_keys[i]) for i, msg in problems]
     plan.num_keys = len(load_keys)
-    plan.digest = _digest(load_keys, extra)
+    plan.digest = _digest(load_keys, extra, model_keys)
     if plan.errors:
         return
     # Units in model order (ties on a rank are written in load_state_dict's order); the source's tensors
@@ -580,17 +647,19 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra
     plan.tensors, plan.total = plan.core.num_units_sent, plan.core.total_bytes
 
 
-def _match_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], extra: Mapping[str, nn.Module],
-                meta: dict, strict: bool, rank: int) -> tuple[list[str], list, torch.Tensor, list[str], Mapping]:
+def _match_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], model_keys: _ModelState,
+                extra: Mapping[str, nn.Module], meta: dict, strict: bool,
+                rank: int) -> tuple[list[str], list, torch.Tensor, list[str], Mapping]:
     """Key matching, as load_state_dict matches: the keys loaded, their values, each one's table row (int64),
     the keys worded in errors, and the extra-state modules that take a value. Missing, unexpected and
     refused keys go to `plan`."""
-    keys = meta["keys"]
     extras, bad = meta["extras"], meta["bad"]
-    if not extra and not bad and meta["rows"].numel() == len(keys) == len(model_sd) and keys == list(model_sd):
+    if (not extra and not bad and meta["rows"].numel() == meta["num_keys"] == len(model_sd)
+            and _same_keys(meta, model_keys)):
         # The usual case: the model's keys are the checkpoint's, in its order, each value a tensor of its own
         # table row (rows is then 0..n-1): nothing to match key by key.
-        return keys, list(model_sd.values()), meta["rows"], keys, extra
+        return model_keys.keys, model_keys.values, meta["rows"], model_keys.keys, extra
+    keys = _checkpoint_keys(meta)
     index = {k: i for i, k in enumerate(keys)}
     row_of = dict(zip(meta["rows"].tolist(), range(len(meta["rows"]))))  # key index -> table row
     if extra:  # load_state_dict takes extra state only into modules that override set_extra_state
@@ -729,10 +798,13 @@ def _dtensor_box(mesh, placements, shape: tuple[int, ...]):
     return None, tuple(off), tuple(lshape)
 
 
-def _digest(load_keys: list[str], extra: Mapping[str, nn.Module]) -> int:
+def _digest(load_keys: list[str], extra: Mapping[str, nn.Module],
+            model_keys: _ModelState = _NO_MODEL_STATE) -> int:
     h = hashlib.blake2b(digest_size=8)  # each key, then 1 if it holds extra state else 0: one update
     if extra:
         h.update("".join(k + ("\1" if k in extra else "\0") for k in load_keys).encode())
+    elif load_keys is model_keys.keys and model_keys.joined is not None and load_keys:  # every key of the model
+        h.update((model_keys.joined + "\0").encode())
     elif load_keys:
         h.update(("\0".join(load_keys) + "\0").encode())
     return int.from_bytes(h.digest(), "little", signed=True)
