@@ -419,7 +419,7 @@ def _describe_source(sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Mod
     plain = (torch.Tensor, nn.Parameter)
     values = list(sd.values())
     if not extra and set(map(type, values)) <= set(plain):  # the usual case: every value a plain tensor
-        rows, tensors = list(range(len(values))), values
+        rows, tensors = range(len(values)), values  # (a range: no int object per key)
     else:
         for i, (k, v) in enumerate(sd.items()):
             if k in extra:  # a module's extra state: any picklable object, sent with the metadata
