@@ -66,22 +66,20 @@ class TimedC:
 def sync():
     if cuda: torch.cuda.synchronize()
 S._C = TimedC()
-# The Python steps around the _C calls on the source's way to its first copy, timed under their names too.
-py_steps = {name: getattr(S, name) for name in ("_model_state", "_walk_modules", "_match_keys", "_digest")
-            if hasattr(S, name)}  # (an older tree, in an A/B run, may lack some)
-for name, fn in py_steps.items():
-    setattr(S, name, timed(name, fn))
+# The Python steps around the _C calls on the source's way to its first copy, timed under their names too
+# (profile_load._wrapped: the same wrapping as the phases').
+py_steps = [name for name in ("_model_state", "_walk_modules", "_match_keys", "_digest")
+            if hasattr(S, name)]  # (an older tree, in an A/B run, may lack some)
 model.state_dict = timed("model.state_dict", model.state_dict)  # the load's own call (keep_vars=True)
-for i in range(6):
-    spent.clear()
-    with profile_load.phase_timers() as ph:
-        sync(); t0 = time.perf_counter()
-        coalesced_bcast.load_full_state_dict(model, sd)
-        sync(); w = time.perf_counter() - t0
-    print(f"load {i}: {w*1e3:.1f} ms | " + " ".join(f"{k}={v*1e3:.1f}" for k, v in ph.items()) + " | " + " ".join(f"{k}={v*1e3:.1f}" for k, v in sorted(spent.items(), key=lambda x: -x[1])), flush=True)
+with profile_load._wrapped(py_steps, lambda name, call: timed(name, call)()):
+    for i in range(6):
+        spent.clear()
+        with profile_load.phase_timers() as ph:
+            sync(); t0 = time.perf_counter()
+            coalesced_bcast.load_full_state_dict(model, sd)
+            sync(); w = time.perf_counter() - t0
+        print(f"load {i}: {w*1e3:.1f} ms | " + " ".join(f"{k}={v*1e3:.1f}" for k, v in ph.items()) + " | " + " ".join(f"{k}={v*1e3:.1f}" for k, v in sorted(spent.items(), key=lambda x: -x[1])), flush=True)
 S._C = _C
-for name, fn in py_steps.items():
-    setattr(S, name, fn)
 del model.state_dict
 def tm(fn, n=5):
     best = 1e9
