@@ -80,6 +80,9 @@ struct ValueFacts {
   bool tensor = false;   // a torch.Tensor (else extra state or a hook's object)
   bool owned = false;    // one of the model's own parameters or buffers
   bool dtensor = false;
+  PyObject* local_seen = nullptr;  // a DTensor's local tensor and spec as read from their slots, not yet held
+  PyObject* spec_seen = nullptr;
+  PyObject* first_seen = nullptr;  // placements[0], not yet held
   py::object local;      // a DTensor's: its local tensor, spec, mesh, placements, placements[0]
   py::object spec;
   py::object mesh;
@@ -87,7 +90,7 @@ struct ValueFacts {
   py::object first;
 };
 
-// Values are read kGroup at a time, each group's chain one hop per pass (below).
+// Values are read kGroup at a time, each group's chain one hop per stage (below).
 constexpr int64_t kGroup = 16;
 
 // Where a type keeps an object-valued __slots__ attribute (a DTensor's
@@ -120,84 +123,175 @@ class ObjectSlot {
   Py_ssize_t offset_ = -1;
 };
 
-// The facts of values [begin, end), a group of at most kGroup: one hop of the
-// chain per pass over the group (value -> local tensor and spec -> placements
-// -> placements[0]), each pass prefetching what the next reads, so that the
-// group's cache misses overlap (at 16k values, cold, one value's chain at a
-// time waits on memory at every hop). A hop's objects are held (their
-// refcounts written) only in the pass after the one that prefetched them: a
-// reference taken as the pointer is read waits on that object's line there and
-// then. Passes over all values at once do not help: by a pass's end the first
-// values' objects are out of the cache again (post_hooks.cpp measured both).
-void gather(const py::list& values, int64_t begin, int64_t end, const IdSet& owned_ids,
-            const py::handle& dtensor_type, std::vector<ValueFacts>& facts) {
-  // Never destroyed: a static's destructor would run after the interpreter is gone.
-  static auto& local_slot = *new ObjectSlot("_local_tensor");
-  static auto& spec_slot = *new ObjectSlot("_spec");
-  PyObject* local[kGroup];
-  PyObject* spec[kGroup];
-  for (int64_t i = begin; i < end; ++i) {
-    PyObject* v = PyList_GET_ITEM(values.ptr(), i);
-    prefetch_object(v);
-    owned_ids.prefetch(reinterpret_cast<uintptr_t>(v));
-  }
-  for (int64_t i = begin; i < end; ++i) {
-    PyObject* v = PyList_GET_ITEM(values.ptr(), i);
-    auto& f = facts[i];
-    local[i - begin] = spec[i - begin] = nullptr;
-    f.tensor = THPVariable_Check(v);
-    if (!f.tensor) continue;
-    f.owned = owned_ids.contains(reinterpret_cast<uintptr_t>(v));
-    const int is_dtensor = PyObject_IsInstance(v, dtensor_type.ptr());
-    if (is_dtensor < 0) throw py::error_already_set();
-    f.dtensor = is_dtensor == 1;
-    if (!f.dtensor) continue;
-    PyObject* l = local_slot.peek(v);
-    PyObject* s = spec_slot.peek(v);
-    if (l != nullptr && s != nullptr) {
-      prefetch_object(local[i - begin] = l);
-      prefetch_object(spec[i - begin] = s);
-    } else {  // read by name, as Python would
-      f.local = attr(v, "_local_tensor");
-      f.spec = attr(v, "_spec");
-    }
-  }
-  for (int64_t i = begin; i < end; ++i) {
-    auto& f = facts[i];
-    if (local[i - begin] != nullptr) {
-      f.local = py::reinterpret_borrow<py::object>(local[i - begin]);
-      f.spec = py::reinterpret_borrow<py::object>(spec[i - begin]);
-    }
-    if (!f.spec) continue;
-    f.mesh = attr(f.spec, "mesh");
-    f.placements = attr(f.spec, "placements");
-    __builtin_prefetch(f.placements.ptr());
-    __builtin_prefetch(reinterpret_cast<const char*>(f.placements.ptr()) + 64);
-  }
-  PyObject* first[kGroup];
-  for (int64_t i = begin; i < end; ++i) {
-    PyObject* p = facts[i].placements.ptr();
-    first[i - begin] = p != nullptr && PyTuple_Check(p) && PyTuple_GET_SIZE(p) > 0 ? PyTuple_GET_ITEM(p, 0) : nullptr;
-    if (first[i - begin] != nullptr) prefetch_object(first[i - begin]);
-  }
-  for (int64_t i = begin; i < end; ++i) {
-    if (first[i - begin] != nullptr) facts[i].first = py::reinterpret_borrow<py::object>(first[i - begin]);
-  }
+// The attribute values of an object whose type keeps its instance attributes
+// in a managed dict (a DTensorSpec, a dataclass): where the interpreter keeps
+// them in an array apart from the object (3.11 and 3.12, its pointer before
+// the object; 3.12 tags it), that array's line, so that reading mesh and
+// placements by name finds it in the cache. A hint only: other versions'
+// layouts are skipped.
+inline void prefetch_instance_values(PyObject* o) {
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030D0000
+  if (!(Py_TYPE(o)->tp_flags & Py_TPFLAGS_MANAGED_DICT)) return;
+  const auto word = *(reinterpret_cast<uintptr_t*>(o) - (PY_VERSION_HEX < 0x030C0000 ? 4 : 3));
+#if PY_VERSION_HEX < 0x030C0000
+  if (word != 0) __builtin_prefetch(reinterpret_cast<const void*>(word));
+#else
+  if (word & 1) __builtin_prefetch(reinterpret_cast<const void*>(word + 1));  // values (kept as pointer - 1)
+#endif
+#else
+  (void)o;
+#endif
 }
 
-// The TensorImpls of values [begin, end) (a DTensor's and its local
-// tensor's): their sizes, dtype and device are read next.
-inline void prefetch_impls(const py::list& values, const std::vector<ValueFacts>& facts, int64_t begin,
-                           int64_t end) {
-  auto impl = [](PyObject* o) {
-    if (o != nullptr && THPVariable_Check(o)) prefetch_impl(THPVariable_Unpack(o).unsafeGetTensorImpl());
-  };
-  for (int64_t i = begin; i < end; ++i) {
-    if (!facts[i].tensor) continue;
-    impl(PyList_GET_ITEM(values.ptr(), i));
-    if (facts[i].dtensor) impl(facts[i].local.ptr());
-  }
+// Shard(d)'s C++ value (torch._C._distributed.Shard, where torch keeps
+// placements in C++; torch's Python Shard subclasses it), which shard_dim
+// reads: its line.
+inline void prefetch_shard(PyObject* p) {
+#ifdef COALESCED_BCAST_CPP_SHARD
+  static const pybind11::detail::type_info* cpp = pybind11::detail::get_type_info(typeid(torch::distributed::Shard));
+  if (cpp == nullptr || !PyType_IsSubtype(Py_TYPE(p), cpp->type)) return;
+  const auto* inst = reinterpret_cast<const pybind11::detail::instance*>(p);
+  if (inst->simple_layout && inst->simple_holder_constructed) __builtin_prefetch(inst->simple_value_holder[0]);
+#else
+  (void)p;
+#endif
 }
+
+// The bytes of each object that a stage reads (a hint: an object laid out
+// otherwise is read all the same, from memory): a value's head and its
+// DTensor slots (_local_tensor, _spec: 48 and 56 on torch 2.x, in a 64-byte
+// object); a local tensor's head (its TensorImpl pointer at 16); a spec's
+// managed-dict pointer before it (3.11, 3.12) and its head; a tuple's first
+// item (at 24); a pybind11 instance's holder and flags (through 48).
+constexpr int64_t kValueBytes = 64, kLocalBytes = 24, kSpecBefore = 32, kSpecBytes = 16, kTupleBytes = 32,
+                  kPybindBytes = 56;
+
+// The facts of the values, read as a pipeline over groups of kGroup: each
+// stage takes one hop of a group's chains (value -> local tensor and spec ->
+// mesh and placements -> placements[0] -> Shard's value, and the TensorImpls),
+// prefetching what the next stage reads, and a group's next stage runs a whole
+// group's work later, so that its lines have arrived (at 16k values, cold, a
+// group's stages run back to back waited on memory at most hops: load_dests's
+// loads after each prefetch were most of its time on the CPU machine). A hop's
+// objects are held (their refcounts written) only in the stage after the one
+// that prefetched them; each value's are let go right after it is used, while
+// they are in the cache (held to the end, their refcounts were misses again).
+class FactsReader {
+ public:
+  static constexpr int kStages = 6;
+
+  FactsReader(const py::list& values, const IdSet& owned_ids, const py::handle& dtensor_type)
+      : values_(values), owned_(owned_ids), dtensor_(dtensor_type),
+        n_(static_cast<int64_t>(values.size())), facts_(n_) {}
+
+  // Runs stage k of group g + kStages - k for every k: group g's facts were completed by the call
+  // before (its last stage's prefetches have had a group's work to arrive). Call for g from -kStages.
+  void advance(int64_t g) {
+    for (int k = 0; k < kStages; ++k) {
+      const int64_t h = g + kStages - k;
+      const int64_t b = h * kGroup, e = std::min(n_, b + kGroup);
+      if (h < 0 || b >= n_) continue;
+      switch (k) {
+        case 0: stage_values(b, e); break;
+        case 1: stage_slots(b, e); break;
+        case 2: stage_held(b, e); break;
+        case 3: stage_spec(b, e); break;
+        case 4: stage_first(b, e); break;
+        default: stage_shard(b, e); break;
+      }
+    }
+  }
+
+  const ValueFacts& operator[](int64_t i) const { return facts_[i]; }
+  void release(int64_t i) { facts_[i] = ValueFacts{}; }
+  int64_t groups() const { return (n_ + kGroup - 1) / kGroup; }
+
+ private:
+  PyObject* item(int64_t i) const { return PyList_GET_ITEM(values_.ptr(), i); }
+
+  void stage_values(int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      prefetch_bytes(item(i), 0, kValueBytes);
+      owned_.prefetch(reinterpret_cast<uintptr_t>(item(i)));
+    }
+  }
+
+  void stage_slots(int64_t b, int64_t e) {
+    // Never destroyed: a static's destructor would run after the interpreter is gone.
+    static auto& local_slot = *new ObjectSlot("_local_tensor");
+    static auto& spec_slot = *new ObjectSlot("_spec");
+    for (int64_t i = b; i < e; ++i) {
+      PyObject* v = item(i);
+      auto& f = facts_[i];
+      f.tensor = THPVariable_Check(v);
+      if (!f.tensor) continue;
+      f.owned = owned_.contains(reinterpret_cast<uintptr_t>(v));
+      const int is_dtensor = PyObject_IsInstance(v, dtensor_.ptr());
+      if (is_dtensor < 0) throw py::error_already_set();
+      f.dtensor = is_dtensor == 1;
+      if (!f.dtensor) {
+        prefetch_impl(THPVariable_Unpack(v).unsafeGetTensorImpl());
+        continue;
+      }
+      PyObject* l = local_slot.peek(v);
+      PyObject* s = spec_slot.peek(v);
+      if (l != nullptr && s != nullptr) {
+        prefetch_bytes(f.local_seen = l, 0, kLocalBytes);
+        prefetch_bytes(f.spec_seen = s, -kSpecBefore, kSpecBytes);
+      } else {  // read by name, as Python would
+        f.local = attr(v, "_local_tensor");
+        f.spec = attr(v, "_spec");
+      }
+    }
+  }
+
+  void stage_held(int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      auto& f = facts_[i];
+      if (f.local_seen != nullptr) {
+        f.local = py::reinterpret_borrow<py::object>(f.local_seen);
+        f.spec = py::reinterpret_borrow<py::object>(f.spec_seen);
+        prefetch_instance_values(f.spec_seen);  // mesh and placements, read by name in the next stage
+      }
+      if (f.tensor) prefetch_impl(THPVariable_Unpack(item(i)).unsafeGetTensorImpl());  // its global shape
+      if (f.local && THPVariable_Check(f.local.ptr())) prefetch_impl(THPVariable_Unpack(f.local.ptr()).unsafeGetTensorImpl());
+    }
+  }
+
+  void stage_spec(int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      auto& f = facts_[i];
+      if (!f.spec) continue;
+      f.mesh = attr(f.spec, "mesh");
+      f.placements = attr(f.spec, "placements");
+      prefetch_bytes(f.placements.ptr(), 0, kTupleBytes);
+    }
+  }
+
+  void stage_first(int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      auto& f = facts_[i];
+      PyObject* p = f.placements.ptr();
+      f.first_seen = p != nullptr && PyTuple_Check(p) && PyTuple_GET_SIZE(p) > 0 ? PyTuple_GET_ITEM(p, 0) : nullptr;
+      if (f.first_seen != nullptr) prefetch_bytes(f.first_seen, 0, kPybindBytes);
+    }
+  }
+
+  void stage_shard(int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      auto& f = facts_[i];
+      if (f.first_seen == nullptr) continue;
+      f.first = py::reinterpret_borrow<py::object>(f.first_seen);
+      prefetch_shard(f.first_seen);
+    }
+  }
+
+  const py::list& values_;
+  const IdSet& owned_;
+  const py::handle& dtensor_;
+  const int64_t n_;
+  std::vector<ValueFacts> facts_;
+};
 
 }  // namespace
 
@@ -243,14 +337,19 @@ py::tuple load_dests(
   auto problem = [&](int64_t i, const std::string& msg) { problems.append(py::make_tuple(i, msg)); };
   const std::string key = std::string("\"") + kKeyMark + "\"";
 
-  std::vector<ValueFacts> facts(n);
-  for (int64_t g0 = 0; g0 < n; g0 += kGroup) {
-    const int64_t g1 = std::min(n, g0 + kGroup);
-    gather(values, g0, g1, owned_ids, dtensor_type, facts);
-    prefetch_impls(values, facts, g0, g1);
+  FactsReader facts(values, owned_ids, dtensor_type);
+  for (int64_t g = -FactsReader::kStages; g < facts.groups(); ++g) {
+    facts.advance(g);
+    if (g < 0) continue;
+    const int64_t g0 = g * kGroup, g1 = std::min(n, g0 + kGroup);
     for (int64_t i = g0; i < g1; ++i) {
       PyObject* v = PyList_GET_ITEM(values.ptr(), i);
       const auto& vf = facts[i];
+      struct Release {  // this value's objects let go while they are in the cache, however it ends
+        FactsReader& r;
+        int64_t i;
+        ~Release() { r.release(i); }
+      } release{facts, i};
       const int64_t j = row_of[i];
       TORCH_CHECK_VALUE(j >= 0 && j < R, "row ", j, " of value ", i, " is not in the table of ", R);
       const int64_t* row = tab + j * kWidth;

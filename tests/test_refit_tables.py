@@ -123,6 +123,30 @@ def test_tensor_lists_carry_a_load_sources_between_calls():
         _C.load_plan(table[:1], held.take(order[:1]), [], torch.zeros((0, 9), dtype=torch.int64), 4096, 2, 0, 1, cpu)
 
 
+def test_describe_tensors_in_chunks_finds_ties_and_problems_across_chunks():
+    """describe_tensors reads a large list in chunks on several threads: ties are found across chunks (the
+    last tensor is the same view as the second), a view at the same address but of another shape is no tie,
+    and problems come back in index order with their rows left zero."""
+    n = 8 * 2048 + 3  # more than one chunk on any machine that has a second thread
+    base = torch.arange(2 * n, dtype=torch.int64)
+    tensors = [base[2 * i:2 * i + 2] for i in range(n)]
+    tensors[n - 1] = base[2:4]  # the same memory seen the same way as tensors[1]
+    tensors[10000] = base[2:3]  # tensors[1]'s address, another shape
+    tensors[9000] = torch.empty(3, device="meta")
+    tensors[15000] = torch.zeros(4).to_sparse()
+    table, canon, problems, held = _C.describe_tensors(tensors, torch.device("cpu"))
+    assert len(held) == n
+    assert [i for i, _ in problems] == [9000, 15000], problems
+    assert "meta" in problems[0][1] and "dense" in problems[1][1]
+    assert table[9000].eq(0).all() and table[15000].eq(0).all()
+    want = list(range(n))
+    want[n - 1] = 1
+    assert canon.tolist() == want
+    code = int(table[0, 0])
+    assert table[:, 1].tolist() == [0 if i in (9000, 15000) else 1 for i in range(n)]
+    assert table[10000, 2] == 1 and table[1, 2] == 2 and table[n - 1, 2] == 2 and table[n - 1, 0] == code
+
+
 def test_a_load_plan_made_on_its_own_thread():
     """start_load_plan plans on a thread while the caller goes on: result() gives the plan load_plan would,
     raises what planning raised (a source that does not match its entry), and is taken once."""

@@ -394,6 +394,52 @@ def check_fsdp2(rank: int, ws: int) -> None:
     expect_error(lambda: load_full_state_dict(dt, dt.state_dict() if rank == 0 else None), "DTensor")
 
 
+class Block(nn.Module):
+    """One parameter (a DTensor under fully_shard: uneven, on 3 ranks often empty on some) and one plain buffer."""
+
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty((i % 5, 3) if i % 2 else (i % 7,)))
+        self.register_buffer("b", torch.empty(i % 4 + 1, dtype=torch.int32))
+
+
+class Blocks(nn.Module):
+    def __init__(self, n: int = 117) -> None:  # 234 keys: 14 groups and a part
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(i) for i in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def check_many_keys(rank: int, ws: int) -> None:
+    """More keys than load_dests reads ahead (groups of 16, several groups deep), DTensors and plain buffers
+    alternating: every key lands bitwise, and a bad key late in the list is the one named, on every rank."""
+    mesh = init_device_mesh("cpu", (ws,))
+
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            m = Blocks()
+        fully_shard(m, mesh=mesh)
+        m.to_empty(device="cpu")
+        fill_sentinel(m)
+        return m
+
+    model = build()
+    sd = random_sd(Blocks(), seed=11)
+    stats = load_full_state_dict(model, sd if rank == 0 else None, bucket_bytes=4096)
+    assert stats.keys == 234, stats
+    assert_same_as_reference(model, reference(Blocks, sd), "many keys")
+    model = build()
+    before = snapshot(model)
+    bad = dict(sd)
+    bad["blocks.101.w"] = torch.zeros(4, 4)  # 101 % 5 == 1: the model's is (1, 3)
+    expect_error(lambda: load_full_state_dict(model, bad if rank == 0 else None, bucket_bytes=4096),
+                 "size mismatch for blocks.101.w", "torch.Size([4, 4])", "torch.Size([1, 3])")
+    after = snapshot(model)
+    assert all(same_bits(after[k], v) for k, v in before.items()), f"rank {rank}: a refused load wrote"
+
+
 def run_all_2(rank: int, ws: int) -> None:
     check_plain(rank, ws)
     check_errors(rank, ws)
@@ -404,6 +450,7 @@ def run_all_2(rank: int, ws: int) -> None:
 def run_all_3(rank: int, ws: int) -> None:
     if HAVE_FSDP2:
         check_fsdp2(rank, ws)
+        check_many_keys(rank, ws)
     check_errors(rank, ws)
 
 
