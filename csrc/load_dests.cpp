@@ -229,10 +229,7 @@ class FactsReader {
       const int is_dtensor = PyObject_IsInstance(v, dtensor_.ptr());
       if (is_dtensor < 0) throw py::error_already_set();
       f.dtensor = is_dtensor == 1;
-      if (!f.dtensor) {
-        prefetch_impl(THPVariable_Unpack(v).unsafeGetTensorImpl());
-        continue;
-      }
+      if (!f.dtensor) continue;
       PyObject* l = local_slot.peek(v);
       PyObject* s = spec_slot.peek(v);
       if (l != nullptr && s != nullptr) {
@@ -253,7 +250,7 @@ class FactsReader {
         f.spec = py::reinterpret_borrow<py::object>(f.spec_seen);
         prefetch_instance_values(f.spec_seen);  // mesh and placements, read by name in the next stage
       }
-      if (f.tensor) prefetch_impl(THPVariable_Unpack(item(i)).unsafeGetTensorImpl());  // its global shape
+      if (f.tensor) prefetch_impl(THPVariable_Unpack(item(i)).unsafeGetTensorImpl());  // its (global) shape
       if (f.local && THPVariable_Check(f.local.ptr())) prefetch_impl(THPVariable_Unpack(f.local.ptr()).unsafeGetTensorImpl());
     }
   }
