@@ -1,6 +1,6 @@
 """Where a 16k-key FSDP2 load's host time goes, by the engine's calls: each load's phases (state_dict.py's
 functions) beside the time of each _C call made in them (load_dests, the plan's wait, the post-hooks'
-judgment, describe_tensors), then each of those alone on warm objects, and a 1 GiB pinned host-to-device copy (the
+judgment, describe_tensors; a plan fed by load_dests is waited for in hooks.step), then each of those alone on warm objects, and a 1 GiB pinned host-to-device copy (the
 load's floor). Rank 0's state pinned on its CPU (on a GPU).
 
     python3 -m torch.distributed.run --standalone --nproc-per-node 1 bench/load_calls.py
@@ -79,6 +79,10 @@ with profile_load._wrapped(py_steps, lambda name, call: timed(name, call)()):
             coalesced_bcast.load_full_state_dict(model, sd)
             sync(); w = time.perf_counter() - t0
         print(f"load {i}: {w*1e3:.1f} ms | " + " ".join(f"{k}={v*1e3:.1f}" for k, v in ph.items()) + " | " + " ".join(f"{k}={v*1e3:.1f}" for k, v in sorted(spent.items(), key=lambda x: -x[1])), flush=True)
+if "start_load_plan" not in cap:  # the plan was fed by load_dests (csrc/dest_feed.h): one load more, without, for "plan alone"
+    os.environ["COALESCED_BCAST_LOAD_FEED"] = "0"
+    coalesced_bcast.load_full_state_dict(model, sd)
+    del os.environ["COALESCED_BCAST_LOAD_FEED"]
 S._C = _C
 del model.state_dict
 def tm(fn, n=5):

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <thread>
 #include <utility>
@@ -14,6 +15,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "chunks.h"
+#include "dest_feed.h"
 #include "executor.h"
 #include "host_stage.h"
 #include "host_wait.h"
@@ -135,13 +137,15 @@ std::vector<at::Tensor> tensors_of(const py::handle& h) {
 // A load's plan made on a thread of its own while the caller goes on (state_dict.py judges FSDP2's
 // post-hooks meanwhile, under the GIL: at 16k keys each costs ~10 ms). The arguments were converted
 // under the GIL; planning reads only tensors. result() waits without the GIL and raises what planning
-// raised.
+// raised. A fed plan (dest_feed.h) takes its destinations from load_dests as it finds them: close() says
+// that no more come and whether the plan is wanted; result() is then None where it is not.
 class PendingPlan {
  public:
-  explicit PendingPlan(std::function<Plan()> make)
-      : thread_([this, make = std::move(make)] {
+  explicit PendingPlan(std::function<std::optional<Plan>()> make, std::shared_ptr<DestFeed> feed = nullptr,
+                       py::object keep = py::none())
+      : feed_(std::move(feed)), keep_(std::move(keep)), thread_([this, make = std::move(make)] {
           try {
-            plan_.emplace(make());
+            plan_ = make();
           } catch (...) {
             error_ = std::current_exception();
           }
@@ -152,6 +156,7 @@ class PendingPlan {
   // Whether result() would return at once.
   bool done() const { return done_.load(std::memory_order_acquire); }
   ~PendingPlan() {  // one dropped unread: joined without the GIL, which the thread may take to let tensors go
+    if (feed_) feed_->close(false);  // a fed plan left open (load_dests raised): its thread waits no more
     if (!thread_.joinable()) return;
     if (PyGILState_Check()) {
       py::gil_scoped_release release;
@@ -160,22 +165,31 @@ class PendingPlan {
       thread_.join();
     }
   }
+  DestFeed* feed() const { return feed_.get(); }
+  void close(bool use) {
+    TORCH_CHECK_VALUE(feed_ != nullptr, "close() is for a fed plan (start_fed_load_plan)");
+    feed_->close(use);
+  }
+  bool used() const { return feed_ != nullptr && feed_->used(); }
 
-  Plan result() {
+  std::optional<Plan> result() {
+    TORCH_CHECK_VALUE(feed_ == nullptr || feed_->closed(), "a fed plan's result is taken after close()");
     if (thread_.joinable()) {
       py::gil_scoped_release release;
       thread_.join();
     }
     if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
-    TORCH_CHECK_VALUE(plan_.has_value(), "a pending plan's result is taken once");
-    Plan plan = std::move(*plan_);
-    plan_.reset();
-    return plan;
+    TORCH_CHECK_VALUE(!taken_, "a pending plan's result is taken once");
+    taken_ = true;
+    return std::move(plan_);
   }
 
  private:
+  std::shared_ptr<DestFeed> feed_;
+  py::object keep_;  // what the thread reads in place (a fed plan's sources), alive until it is joined
   std::optional<Plan> plan_;
   std::exception_ptr error_;
+  bool taken_ = false;
   std::atomic<bool> done_{false};
   std::thread thread_;  // last: it starts once the members it writes exist
 };
@@ -277,7 +291,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "sources and dests are lists of tensors or TensorLists, whose tensors the plan takes (they are left empty)");
   py::class_<PendingPlan>(m, "PendingPlan", "A load plan being made on a thread of its own")
       .def("result", &PendingPlan::result, "The plan, once made (waits for it)")
-      .def("done", &PendingPlan::done, "Whether the plan is made (result() returns at once)");
+      .def("done", &PendingPlan::done, "Whether the plan is made (result() returns at once)")
+      .def("close", &PendingPlan::close, py::arg("use"),
+           "A fed plan: no more destinations; use: whether the plan is wanted")
+      .def_property_readonly("used", &PendingPlan::used,
+                             "Whether a fed plan was closed wanted, with every destination as load_dests found it");
   m.def(
       "start_load_plan",
       [](const at::Tensor& units, const py::object& sources, const py::object& dests, const at::Tensor& dest_meta,
@@ -292,6 +310,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("units"), py::arg("sources"), py::arg("dests"), py::arg("dest_meta"), py::arg("bucket_bytes"),
       py::arg("ring_depth"), py::arg("rank"), py::arg("copy_threads"), py::arg("device"),
       "load_plan on a thread of its own: a PendingPlan, whose result() is the plan");
+  m.def(
+      "start_fed_load_plan",
+      [](const at::Tensor& table, const py::object& sources, int64_t capacity, int64_t bucket_bytes,
+         int64_t ring_depth, int64_t rank, int64_t copy_threads, c10::Device device) {
+        auto o = load_options(bucket_bytes, ring_depth, rank, device, /*whole_units=*/false);
+        o.copy_threads = copy_threads;
+        TORCH_CHECK_VALUE(capacity >= 0, "capacity must be at least 0, got ", capacity);
+        auto feed = std::make_shared<DestFeed>(capacity);
+        // A TensorList's tensors are read in place, copied on the thread (they stay the caller's, for the
+        // plan made as before where this one is not used); a list's are converted here.
+        const bool in_place = py::isinstance<TensorList>(sources);
+        const std::vector<at::Tensor>* view = in_place ? &sources.cast<TensorList&>().tensors : nullptr;
+        std::vector<at::Tensor> converted = in_place ? std::vector<at::Tensor>{} : tensors_from(sources, "item");
+        return std::make_unique<PendingPlan>(
+            [table, view, converted = std::move(converted), feed, o]() mutable -> std::optional<Plan> {
+              return make_fed_load_plan(table, view != nullptr ? *view : std::move(converted), *feed, o);
+            },
+            feed, in_place ? sources : py::none());
+      },
+      py::arg("table"), py::arg("sources"), py::arg("capacity"), py::arg("bucket_bytes"), py::arg("ring_depth"),
+      py::arg("rank"), py::arg("copy_threads"), py::arg("device"),
+      "load_plan of the table's rows in order, on a thread of its own, its destinations fed by load_dests "
+      "(feed=) as it finds them: a PendingPlan to close(use) once load_dests returns; result() is None unless "
+      "used (csrc/dest_feed.h)");
   m.def(
       "refit_plan",
       [](const at::Tensor& units, std::vector<at::Tensor> locals, const std::vector<int64_t>& modes,
@@ -479,9 +521,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(csrc/module_walk.h)");
   m.def("first_replaced", &first_replaced, py::arg("owners"), py::arg("keys"), py::arg("tensors"),
         "The first i with owners[i][keys[i]] not tensors[i], or -1");
-  m.def("load_dests", &load_dests, py::arg("values"), py::arg("rows"), py::arg("table"), py::arg("canon_rows"),
+  m.def("load_dests",
+        [](const py::list& values, const at::Tensor& rows, const at::Tensor& table, const at::Tensor& canon_rows,
+           const IdSet& owned_ids, const py::handle& dtensor_type, const py::handle& shard_type,
+           const py::handle& replicate_type, const py::function& mesh_facts, const py::function& nd_box,
+           c10::Device device, int64_t rank, bool scalar_from_any_1dim, PendingPlan* feed) {
+          TORCH_CHECK_VALUE(feed == nullptr || feed->feed() != nullptr, "feed must be a fed plan (start_fed_load_plan)");
+          return load_dests(values, rows, table, canon_rows, owned_ids, dtensor_type, shard_type, replicate_type,
+                            mesh_facts, nd_box, device, rank, scalar_from_any_1dim,
+                            feed != nullptr ? feed->feed() : nullptr);
+        },
+        py::arg("values"), py::arg("rows"), py::arg("table"), py::arg("canon_rows"),
         py::arg("owned_ids"), py::arg("dtensor_type"), py::arg("shard_type"), py::arg("replicate_type"),
         py::arg("mesh_facts"), py::arg("nd_box"), py::arg("device"), py::arg("rank"), py::arg("scalar_from_any_1dim"),
+        py::arg("feed") = py::none(),
         "A load's model side: per kept state-dict value its unit, this rank's local tensor and box offset, the "
         "keys cast, and what is wrong (csrc/load_dests.h)");
   m.attr("key_mark") = kKeyMark;

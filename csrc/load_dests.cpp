@@ -305,7 +305,8 @@ py::tuple load_dests(
     const py::function& nd_box,
     c10::Device device,
     int64_t rank,
-    bool scalar_from_any_1dim) {
+    bool scalar_from_any_1dim,
+    DestFeed* feed) {
   const auto n = static_cast<int64_t>(values.size());
   TORCH_CHECK_VALUE(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.numel() == n, "rows must be int64 [",
                     n, "], got ", rows.toString(), " of ", rows.numel());
@@ -474,8 +475,10 @@ py::tuple load_dests(
       if (fresh) {
         locals.push_back(local);
         meta.push_back(m);
+        if (feed != nullptr) feed->put(local, m);
       } else {
         meta[dest] = m;  // the last key's unit, in the first key's place
+        if (feed != nullptr) feed->spoil();
       }
     }
   }

@@ -8,6 +8,7 @@
 
 #include <optional>
 
+#include "dest_feed.h"
 #include "id_table.h"
 
 namespace coalesced_bcast {
@@ -36,7 +37,8 @@ constexpr const char* kKeyMark = "\x01key\x01";
 // int64 [U, 2 + kMaxDims], each unit's source row int64 [U], keys cast,
 // [(value index, message with kKeyMark for its key)]). A tensor named by two
 // keys is one destination that takes the last key's unit, in its first key's
-// place (as a dict keeps it).
+// place (as a dict keeps it). feed: where each destination is also put as it is
+// found, for a plan made meanwhile (dest_feed.h); such a tensor spoils it.
 py::tuple load_dests(
     const py::list& values,
     const at::Tensor& rows,
@@ -50,7 +52,8 @@ py::tuple load_dests(
     const py::function& nd_box,
     c10::Device device,
     int64_t rank,
-    bool scalar_from_any_1dim);
+    bool scalar_from_any_1dim,
+    DestFeed* feed = nullptr);
 
 // The device of the first tensor among `values` (DTensors: their local
 // tensors) that has elements or is on the meta device, and its index; (none,

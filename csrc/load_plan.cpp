@@ -6,6 +6,7 @@
 #include <ATen/MemoryOverlap.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <exception>
 #include <map>
@@ -18,6 +19,7 @@
 
 #include "cast.h"
 #include "chunks.h"
+#include "dest_feed.h"
 #include "host_memory.h"
 #include "plan.h"
 #include "units.h"
@@ -94,14 +96,35 @@ int64_t ravel(const int64_t* idx, const Unit& u) {
   return flat;
 }
 
-}  // namespace
+// The destinations of the scatter pass, in order: a list at hand with its meta, or a feed that
+// load_dests fills meanwhile.
+struct DestsIn {
+  std::vector<at::Tensor>* list = nullptr;
+  const int64_t* list_meta = nullptr;
+  DestFeed* feed = nullptr;
 
-Plan make_load_plan(
-    const at::Tensor& units_table,
-    std::vector<at::Tensor> sources,
-    std::vector<at::Tensor> dests,
-    const at::Tensor& dest_meta,
-    const LoadOptions& options) {
+  // Destination i and its meta row; false when there are i in all (or the feed was dropped).
+  bool get(int64_t i, const at::Tensor*& t, const int64_t*& m) {
+    if (feed != nullptr) {
+      if (!feed->wait(i)) return false;
+      t = &feed->tensor(i);
+      m = feed->meta(i);
+      return true;
+    }
+    const auto n = static_cast<int64_t>(list->size());
+    if (i >= n) return false;
+    prefetch_ahead(list->data(), i, n);
+    t = &(*list)[i];
+    m = list_meta + i * (1 + kMaxDims);
+    return true;
+  }
+};
+
+// Thrown on the planning thread when the feed is closed unused: the plan is not wanted.
+struct FeedDropped {};
+
+Plan plan_load(const at::Tensor& units_table, std::vector<at::Tensor> sources, DestsIn in,
+               const LoadOptions& options) {
   TORCH_CHECK_VALUE(
       options.bucket_bytes >= 4096 && options.bucket_bytes % kAlign == 0,
       "bucket_bytes must be a multiple of ", kAlign, " and at least 4096, got ", options.bucket_bytes);
@@ -134,6 +157,7 @@ Plan make_load_plan(
   const auto pack_pass = [&] {
     try {
       for (int64_t i = 0; i < num_sources; ++i) {
+        if (in.feed != nullptr && i % 1024 == 0 && in.feed->dropped()) return;  // not wanted: stop early
         prefetch_ahead(sources.data(), i, num_sources);  // each tensor's first touch is a cache miss
         auto& t = sources[i];
         // A lazy conjugate or negative bit is not in the bytes: resolve it (a copy of that tensor alone).
@@ -159,12 +183,6 @@ Plan make_load_plan(
   // each bucket holds. A destination that is whole rows of a contiguous tensor
   // takes one contiguous run per bucket; any other box, one boxed run per
   // bucket over the span from its first to its last element.
-  TORCH_CHECK_VALUE(
-      dest_meta.scalar_type() == at::kLong && dest_meta.is_cpu() && dest_meta.dim() == 2 &&
-          dest_meta.size(0) == static_cast<int64_t>(dests.size()) && dest_meta.size(1) == 1 + kMaxDims,
-      "dest_meta must be a cpu int64 tensor of shape [", dests.size(), ", ", 1 + kMaxDims, "], got ",
-      dest_meta.toString());
-  const auto meta = dest_meta.contiguous();
   struct Piece {
     int64_t bucket;
     ScatterOp op;
@@ -174,16 +192,18 @@ Plan make_load_plan(
   enum { kByKernel = 0, kByCopyEngine = 1, kByHost = 2 };
   const bool host_copies = host_writes_by_copy_engine();
   std::vector<Piece> pieces;
-  pieces.reserve(dests.size() + static_cast<size_t>(num_buckets));
+  const auto expected = static_cast<size_t>(in.list != nullptr ? in.list->size() : units.size());
+  pieces.reserve(expected + static_cast<size_t>(num_buckets));
   // The source's direct buckets are not read from a storage that it also writes (below): those
   // storages, taken in this pass, while each destination is in cache.
   std::vector<const c10::StorageImpl*> written;
-  if (!sources.empty()) written.reserve(dests.size());
-  const auto num_dests = static_cast<int64_t>(dests.size());
-  for (int64_t i = 0; i < num_dests; ++i) {
-    prefetch_ahead(dests.data(), i, num_dests);
-    const auto& t = dests[i];
-    const int64_t* m = meta.data_ptr<int64_t>() + i * (1 + kMaxDims);
+  if (!sources.empty()) written.reserve(expected);
+  int64_t num_dests = 0;
+  const at::Tensor* tp = nullptr;
+  const int64_t* m = nullptr;
+  for (int64_t i = 0; in.get(i, tp, m); ++i) {
+    num_dests = i + 1;
+    const auto& t = *tp;
     TORCH_CHECK_VALUE(m[0] >= 0 && m[0] < static_cast<int64_t>(units.size()), "destination ", i, " takes unit ",
                       m[0], " of ", units.size());
     const auto& u = units[m[0]];
@@ -251,7 +271,9 @@ Plan make_load_plan(
     }
   }
   if (packer.thread.joinable()) packer.thread.join();  // (a problem of the scatter pass: joined on the way out)
+  if (in.feed != nullptr && !in.feed->used()) throw FeedDropped{};
   if (pack_error) std::rethrow_exception(pack_error);
+  std::vector<at::Tensor> dests = in.feed != nullptr ? in.feed->take(num_dests) : std::move(*in.list);
   // Destinations come in the stream's order of their units, so pieces mostly are in bucket order already.
   const auto by_bucket = [](const Piece& a, const Piece& b) { return a.bucket < b.bucket; };
   if (!std::is_sorted(pieces.begin(), pieces.end(), by_bucket)) std::stable_sort(pieces.begin(), pieces.end(), by_bucket);
@@ -339,6 +361,61 @@ Plan make_load_plan(
   plan.slot_bytes = num_buckets == 0 ? 0 : (num_buckets == 1 ? align_up(sizes[0], kAlign) : B);
   validate_load_table(plan);
   return plan;
+}
+
+}  // namespace
+
+bool DestFeed::wait(int64_t i) {
+  // Polled: load_dests puts a destination every ~0.5 us, and a wake-up per put would cost it more than
+  // the pass saves. Each poll that finds more takes all there are but the last kLag: their slots share
+  // cache lines with the ones the writer fills next, which reading would pull away from it at every put.
+  constexpr int64_t kLag = 64;
+  while (true) {
+    const int state = state_.load(std::memory_order_acquire);
+    if (state == kDropped) return false;
+    const int64_t count = count_.load(std::memory_order_acquire);
+    if (count > i + kLag || (state == kUsed && count > i)) return true;
+    if (state == kUsed) return false;  // closed, and i is past the last
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
+Plan make_load_plan(
+    const at::Tensor& units_table,
+    std::vector<at::Tensor> sources,
+    std::vector<at::Tensor> dests,
+    const at::Tensor& dest_meta,
+    const LoadOptions& options) {
+  TORCH_CHECK_VALUE(
+      dest_meta.scalar_type() == at::kLong && dest_meta.is_cpu() && dest_meta.dim() == 2 &&
+          dest_meta.size(0) == static_cast<int64_t>(dests.size()) && dest_meta.size(1) == 1 + kMaxDims,
+      "dest_meta must be a cpu int64 tensor of shape [", dests.size(), ", ", 1 + kMaxDims, "], got ",
+      dest_meta.toString());
+  const auto meta = dest_meta.contiguous();
+  DestsIn in;
+  in.list = &dests;
+  in.list_meta = meta.data_ptr<int64_t>();
+  return plan_load(units_table, std::move(sources), in, options);
+}
+
+std::optional<Plan> make_fed_load_plan(
+    const at::Tensor& units_table,
+    std::vector<at::Tensor> sources,
+    DestFeed& feed,
+    const LoadOptions& options) {
+  DestsIn in;
+  in.feed = &feed;
+  try {
+    return plan_load(units_table, std::move(sources), in, options);
+  } catch (const FeedDropped&) {
+    return std::nullopt;
+  } catch (...) {
+    // A problem of the plan's own, found before load_dests finished: it stands only where the feed is
+    // used (else load_dests's own, worded with the key, or the plan made as before decide).
+    while (!feed.closed()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    if (!feed.used()) return std::nullopt;
+    throw;
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>> describe_tensors(

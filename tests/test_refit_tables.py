@@ -166,6 +166,92 @@ def test_a_load_plan_made_on_its_own_thread():
     _C.start_load_plan(table, sources, [], none, 4096, 2, 0, 1, cpu)  # dropped unread: its thread is joined
 
 
+def _load_dests(values, described, fed):
+    """load_dests over plain CPU tensors (no DTensor), each value taking the checkpoint tensor of its index."""
+    from coalesced_bcast import _dtensor
+    DTensor, Replicate, Shard = _dtensor.classes()
+    table, canon, problems, _ = described
+
+    def never(*args):
+        raise AssertionError("no DTensor here")
+    return _C.load_dests(values, torch.arange(len(values)), table, canon, _C.IdSet(id(v) for v in values), DTensor,
+                         Shard, Replicate, never, never, torch.device("cpu"), 0, False, feed=fed)
+
+
+def _fed(described, n):
+    table, _, _, held = described
+    return _C.start_fed_load_plan(table, held, n, 4096, 2, 0, 2, torch.device("cpu"))
+
+
+def test_a_fed_load_plan_is_the_plan_made_after_load_dests():
+    """A plan fed its destinations by load_dests as it finds them (csrc/dest_feed.h) is the plan load_plan makes
+    from load_dests's result: the same buckets, runs and direct buckets, the same bytes packed into every bucket
+    (NaN payloads among them). It reads the source's tensors in place: they stay the caller's. Its result is
+    taken only after close(). (The bytes that land: test_state_dict_gloo's check_many_keys, with and without.)"""
+    gen = torch.Generator().manual_seed(5)
+    sizes = torch.randint(1, 3000, (2500,), generator=gen).tolist()  # more than the pack pass's own thread needs
+    sources = []
+    for i, n in enumerate(sizes):
+        t = torch.empty(n, dtype=(torch.float32, torch.bfloat16, torch.int16)[i % 3])
+        fill_random_bytes(t, gen)
+        sources.append(t)
+    sources[6].view(torch.int32)[:3] = torch.tensor([0x7FC00123, -2**31, 0x7F800001], dtype=torch.int32)
+    dests = [torch.full_like(s, 7) for s in sources]
+    dests[4] = torch.zeros(sizes[4], dtype=torch.float64)  # a cast, in the unpack
+    described = _C.describe_tensors(sources, torch.device("cpu"))
+    held = described[3]
+    fed = _fed(described, len(dests))
+    local, meta_t, units_t, rows, cast_keys, problems = _load_dests(dests, described, fed)
+    assert problems == [] and cast_keys == 1 and torch.equal(rows, torch.arange(len(sources)))
+    with pytest.raises(ValueError, match="after close"):
+        fed.result()
+    fed.close(True)
+    assert fed.used
+    got = fed.result()
+    assert len(held) == len(sources)  # not taken: the plan made as before could still have them
+    want = _C.load_plan(units_t, held, local, meta_t, 4096, 2, 0, 2, torch.device("cpu"))
+    facts = ("num_buckets", "slot_bytes", "num_scatter_runs", "num_host_runs", "num_units_sent", "total_bytes",
+             "direct_buckets")
+    assert [getattr(got, f) for f in facts] == [getattr(want, f) for f in facts] and got.num_buckets > 100
+    a, b = (torch.empty(got.slot_bytes, dtype=torch.uint8) for _ in range(2))
+    for k in range(got.num_buckets):  # the same bytes packed into every bucket
+        a.fill_(0xA5), b.fill_(0xA5)  # (the stream pads between tensors: bytes no run writes)
+        _C._copy_buckets(got, True, a, [k])
+        _C._copy_buckets(want, True, b, [k])
+        n = min(got.slot_bytes, got.total_bytes - k * got.slot_bytes)
+        assert torch.equal(a[:n], b[:n]), k
+
+
+def test_a_fed_load_plan_not_wanted_or_spoiled_gives_none():
+    """A fed plan closed unwanted, or whose destination load_dests changed after putting it (a tensor named by
+    two keys takes the last key's unit), is dropped: used is False and result() None, and the plan made as
+    before serves. A problem of the plan's own (a destination that overlaps itself) is raised only where the
+    plan is wanted. One never closed (load_dests raised) is dropped with its object, not waited for."""
+    sources = [torch.arange(6, dtype=torch.float32), torch.arange(6, dtype=torch.float32) + 10]
+    described = _C.describe_tensors(sources, torch.device("cpu"))
+    shared = torch.zeros(6)
+    fed = _fed(described, 2)
+    out = _load_dests([shared, shared], described, fed)
+    assert out[5] == [] and len(out[0]) == 1  # one destination, of the last key's unit
+    fed.close(True)
+    assert not fed.used and fed.result() is None
+    fed = _fed(described, 2)
+    _load_dests([torch.zeros(6), torch.zeros(6)], described, fed)
+    fed.close(False)
+    assert not fed.used and fed.result() is None
+    overlapping = [torch.zeros(1).expand(6), torch.zeros(6)]
+    for use in (True, False):
+        fed = _fed(described, 2)
+        _load_dests(overlapping, described, fed)
+        fed.close(use)
+        if use:
+            with pytest.raises(ValueError, match="destination 0 on rank 0 overlaps itself"):
+                fed.result()
+        else:
+            assert fed.result() is None
+    _fed(described, 2)  # dropped open: its thread stops
+
+
 def test_the_load_metadata_crosses_as_raw_bytes():
     from coalesced_bcast.state_dict import _from_wire, _to_wire
     table = torch.randint(-2**40, 2**40, (5, 10), dtype=torch.int64)

@@ -412,9 +412,29 @@ class Blocks(nn.Module):
         return x
 
 
+class _RecordFed:
+    """The fed plans (csrc/dest_feed.h) the loads inside make, kept to ask afterwards whether each was used."""
+
+    def __enter__(self) -> list:
+        from coalesced_bcast import _C
+        self.real, self.made = _C.start_fed_load_plan, []
+
+        def record(*args):
+            self.made.append(self.real(*args))
+            return self.made[-1]
+        _C.start_fed_load_plan = record
+        return self.made
+
+    def __exit__(self, *exc) -> None:
+        from coalesced_bcast import _C
+        _C.start_fed_load_plan = self.real
+
+
 def check_many_keys(rank: int, ws: int) -> None:
     """More keys than load_dests reads ahead (groups of 16, several groups deep), DTensors and plain buffers
-    alternating: every key lands bitwise, and a bad key late in the list is the one named, on every rank."""
+    alternating: every key lands bitwise, through the plan fed by load_dests as it reads (and the same without
+    it), and a bad key late in the list is the one named, on every rank, the fed plan dropped. A plain model
+    that names one buffer by two keys takes the plan made after load_dests, and the last key's value."""
     mesh = init_device_mesh("cpu", (ws,))
 
     def build() -> nn.Module:
@@ -425,19 +445,42 @@ def check_many_keys(rank: int, ws: int) -> None:
         fill_sentinel(m)
         return m
 
-    model = build()
     sd = random_sd(Blocks(), seed=11)
-    stats = load_full_state_dict(model, sd if rank == 0 else None, bucket_bytes=4096)
-    assert stats.keys == 234, stats
-    assert_same_as_reference(model, reference(Blocks, sd), "many keys")
+    for feed in ("1", "0"):
+        os.environ["COALESCED_BCAST_LOAD_FEED"] = feed
+        model = build()
+        try:
+            with _RecordFed() as fed:
+                stats = load_full_state_dict(model, sd if rank == 0 else None, bucket_bytes=4096)
+        finally:
+            del os.environ["COALESCED_BCAST_LOAD_FEED"]
+        assert stats.keys == 234, stats
+        assert [p.used for p in fed] == ([True] if feed == "1" else []), (rank, feed)
+        assert_same_as_reference(model, reference(Blocks, sd), f"many keys, feed {feed}")
     model = build()
     before = snapshot(model)
     bad = dict(sd)
     bad["blocks.101.w"] = torch.zeros(4, 4)  # 101 % 5 == 1: the model's is (1, 3)
-    expect_error(lambda: load_full_state_dict(model, bad if rank == 0 else None, bucket_bytes=4096),
-                 "size mismatch for blocks.101.w", "torch.Size([4, 4])", "torch.Size([1, 3])")
+    with _RecordFed() as fed:
+        expect_error(lambda: load_full_state_dict(model, bad if rank == 0 else None, bucket_bytes=4096),
+                     "size mismatch for blocks.101.w", "torch.Size([4, 4])", "torch.Size([1, 3])")
+    assert [p.used for p in fed] == [False]
     after = snapshot(model)
     assert all(same_bits(after[k], v) for k, v in before.items()), f"rank {rank}: a refused load wrote"
+
+    def tied() -> nn.Module:
+        m = Blocks()
+        m.blocks[5].b = m.blocks[1].b  # both (2,): one tensor, two keys
+        return m
+    model, ref = tied(), tied()
+    fill_sentinel(model)
+    with _RecordFed() as fed:
+        load_full_state_dict(model, sd if rank == 0 else None, bucket_bytes=4096)
+    assert [p.used for p in fed] == [False]
+    ref.load_state_dict(sd)
+    assert same_bits(model.blocks[1].b, sd["blocks.5.b"]) and same_bits(ref.blocks[1].b, sd["blocks.5.b"])
+    for k, v in ref.state_dict().items():
+        assert same_bits(model.state_dict()[k], v), (rank, k)
 
 
 def run_all_2(rank: int, ws: int) -> None:

@@ -611,25 +611,45 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], model
         return found
 
     DTensor, Replicate, Shard = _dtensor.classes()
-    local, meta_t, units_t, unit_src_rows, plan.cast_keys, problems = _C.load_dests(
-        values, value_rows, meta["table"], meta["canon"], owned, DTensor, Shard,
-        Replicate, mesh_facts, nd_box, device, rank, _scalar_from_any_1dim())
+    if copy_threads is None:
+        copy_threads = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    copy_threads = max(1, int(copy_threads))
+    table = meta["table"]
+    # The usual load (every checkpoint tensor a unit of its own, in table order) is planned while load_dests
+    # runs, fed its destinations as it finds them (csrc/dest_feed.h); the source's pack runs are made then too.
+    fed = None
+    if len(values) == table.size(0) and _feed_plan():
+        fed = _C.start_fed_load_plan(table, src_tensors if src_tensors is not None else [], len(values),
+                                     bucket_bytes, ring_depth, rank, copy_threads, device)
+    try:
+        local, meta_t, units_t, unit_src_rows, plan.cast_keys, problems = _C.load_dests(
+            values, value_rows, table, meta["canon"], owned, DTensor, Shard,
+            Replicate, mesh_facts, nd_box, device, rank, _scalar_from_any_1dim(), feed=fed)
+    except BaseException:
+        if fed is not None:
+            fed.close(False)
+        raise
     plan.errors += [msg.replace(_C.key_mark, value_keys[i]) for i, msg in problems]
+    # Units in model order (ties on a rank are written in load_state_dict's order); the source's tensors
+    # in the same order (by table row).
+    n = table.size(0)
+    in_order = unit_src_rows.numel() == n and bool(torch.equal(unit_src_rows, torch.arange(n)))
+    if fed is not None:
+        fed.close(in_order and not plan.errors)  # not used where a tensor was named twice (csrc/dest_feed.h)
     plan.num_keys = len(load_keys)
     plan.digest = _digest(load_keys, extra, model_keys)
     if plan.errors:
         return
-    # Units in model order (ties on a rank are written in load_state_dict's order); the source's tensors
-    # in the same order (by table row).
-    sources = []
-    if src_tensors is not None:  # a _C.TensorList on the source (one per table row)
-        n = len(src_tensors)
-        in_order = unit_src_rows.numel() == n and bool(torch.equal(unit_src_rows, torch.arange(n)))
-        sources = src_tensors if in_order else src_tensors.take(unit_src_rows)
-    if copy_threads is None:
-        copy_threads = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    pending = _C.start_load_plan(units_t, sources, local, meta_t, bucket_bytes, ring_depth, rank,
-                                 max(1, int(copy_threads)), device)
+    if fed is not None and fed.used:
+        pending = fed
+    else:
+        if fed is not None:
+            fed.result()  # (None) its thread done reading the source's tensors, which `take` moves out
+        sources = []
+        if src_tensors is not None:  # a _C.TensorList on the source (one per table row)
+            sources = src_tensors if in_order else src_tensors.take(unit_src_rows)
+        pending = _C.start_load_plan(units_t, sources, local, meta_t, bucket_bytes, ring_depth, rank, copy_threads,
+                                     device)
     # Meanwhile, whether FSDP2's post-hooks would all do nothing after the in-place writes (the Python objects
     # they read, under the GIL, while the plan is made beside): the writes change no object a hook reads,
     # set_extra_state (plan.extras) may. On a CPU model all of them here; on a GPU until the plan is made, the
@@ -897,6 +917,11 @@ def _transfer(plan: _Plan, pg: dist.ProcessGroup, src_g: int, is_src: bool, time
                             leave_host_reads=leave)
     plan.ring_bytes, plan.host_ring_bytes = out[1], out[2]
     return core.num_buckets, out[3] if leave else None
+
+
+def _feed_plan() -> bool:
+    # COALESCED_BCAST_LOAD_FEED=0: the plan made after load_dests only (the bench's A/B switch).
+    return os.environ.get("COALESCED_BCAST_LOAD_FEED") != "0"
 
 
 def _judge_hooks_after_transfer(device: torch.device) -> bool:
