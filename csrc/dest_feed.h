@@ -8,7 +8,7 @@
 // otherwise closes the feed unused and plans as before).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <array>
 #include <atomic>
