@@ -325,7 +325,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         std::vector<at::Tensor> converted = in_place ? std::vector<at::Tensor>{} : tensors_from(sources, "item");
         return std::make_unique<PendingPlan>(
             [table, view, converted = std::move(converted), feed, o]() mutable -> std::optional<Plan> {
-              return make_fed_load_plan(table, view != nullptr ? *view : std::move(converted), *feed, o);
+              if (view != nullptr) return make_fed_load_plan(table, *view, *feed, o);  // copied here, on the thread
+              return make_fed_load_plan(table, std::move(converted), *feed, o);
             },
             feed, in_place ? sources : py::none());
       },
