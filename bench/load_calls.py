@@ -51,7 +51,7 @@ class TimedC:
     def __getattr__(self, name):
         f = getattr(_C, name)
         if name == "HookJudgment":
-            return lambda model: Timed(f(model), {"step": "hooks.step", "verdict": "hooks.verdict"})
+            return lambda model: Timed(timed("hooks.walk", f)(model), {"step": "hooks.step", "verdict": "hooks.verdict"})
         if not callable(f) or isinstance(f, type):
             return f
 

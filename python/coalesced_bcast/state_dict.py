@@ -655,10 +655,13 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], model
     # set_extra_state (plan.extras) may. On a CPU model all of them here; on a GPU until the plan is made, the
     # rest after the transfer is queued (_run_post_hooks), beside the copies: judged here in full, one H200,
     # MoE load of 1,651 keys from pinned memory, median 200.6 ms against 196.0 judged after (16k keys: 85.8
-    # either way), while a load from rank 0's GPU, whose copies are short, waited for them after.
-    if not plan.extras and not _run_all_post_hooks():
+    # either way), while a load from rank 0's GPU, whose copies are short, waited for them after. A fed plan is
+    # all but made when load_dests returns: there is no wait to fill, and the judgment's walk of the modules
+    # (1-3 ms at 16k hooks) would only hold back the transfer, so on a GPU it is all left to _run_post_hooks.
+    after = _judge_hooks_after_transfer(device)
+    if not plan.extras and not _run_all_post_hooks() and not (after and pending is fed):
         plan.hooks = _C.HookJudgment(model)
-        if _judge_hooks_after_transfer(device):
+        if after:
             while not pending.done() and plan.hooks.step(_HOOKS_PER_STEP) is None:
                 pass
         else:
