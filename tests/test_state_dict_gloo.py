@@ -457,6 +457,29 @@ def check_many_keys(rank: int, ws: int) -> None:
         assert stats.keys == 234, stats
         assert [p.used for p in fed] == ([True] if feed == "1" else []), (rank, feed)
         assert_same_as_reference(model, reference(Blocks, sd), f"many keys, feed {feed}")
+    # FSDP2's post-hooks judged where a GPU load judges them, once the transfer is queued: with the fed plan
+    # (made by the time load_dests returns) no judgment is begun while planning, and the hook of a parameter
+    # replaced since fully_shard still runs (FSDP2 takes the new parameter, its shard re-padded, values kept).
+    w = model.blocks[6].w
+    model.blocks[6].w = nn.Parameter(DTensor.from_local(torch.empty_like(w._local_tensor), mesh, [Shard(0)],
+                                                        run_check=False, shape=w.shape, stride=w.stride()))
+    (fp,) = [h.__closure__[0].cell_contents for h in model.blocks[6]._load_state_dict_post_hooks.values()]
+    assert fp.sharded_param is w
+    fill_sentinel(model)
+    from coalesced_bcast import _C
+    real_judgment, begun = _C.HookJudgment, []
+    _C.HookJudgment = lambda m: begun.append(m) or real_judgment(m)
+    os.environ["COALESCED_BCAST_LOAD_HOOKS_JUDGED"] = "transfer"
+    try:
+        with _RecordFed() as fed:
+            load_full_state_dict(model, sd if rank == 0 else None, bucket_bytes=4096)
+    finally:
+        del os.environ["COALESCED_BCAST_LOAD_HOOKS_JUDGED"]
+        _C.HookJudgment = real_judgment
+    assert [p.used for p in fed] == [True] and begun == [], (rank, [p.used for p in fed], len(begun))
+    assert fp.sharded_param is model.blocks[6].w
+    assert fp._sharded_param_data.data_ptr() == model.blocks[6].w._local_tensor.data_ptr()
+    assert_same_as_reference(model, reference(Blocks, sd), "many keys, a parameter replaced, hooks after")
     model = build()
     before = snapshot(model)
     bad = dict(sd)
