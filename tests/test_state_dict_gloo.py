@@ -329,6 +329,15 @@ def _judged_in_steps(model: nn.Module, count: int, times: int) -> list:
     return steps
 
 
+def _replace_dtensor_param(m: nn.Module, name: str, mesh) -> torch.Tensor:
+    """m.name replaced by a new Shard(0) DTensor parameter of the same shape, its shard not in FSDP2's padded
+    storage (so that FSDP2's post-hook for it has work to do); the one replaced."""
+    w = getattr(m, name)
+    setattr(m, name, nn.Parameter(DTensor.from_local(torch.empty_like(w._local_tensor), mesh, [Shard(0)],
+                                                     run_check=False, shape=w.shape, stride=w.stride())))
+    return w
+
+
 def check_fsdp2(rank: int, ws: int) -> None:
     mesh = init_device_mesh("cpu", (ws,))
     vocab = ws * 4 + 1  # uneven rows, and with 3 ranks l2's 3 rows give one row each
@@ -357,9 +366,7 @@ def check_fsdp2(rank: int, ws: int) -> None:
         assert set(steps[:steps.index(True)]) <= {None}, (count, steps)
     # A parameter replaced since fully_shard (a new DTensor, its shard not in FSDP2's padded storage): its
     # hook runs, so FSDP2 takes the new parameter and re-pads its shard, holding the loaded values.
-    w = model.l1.weight
-    model.l1.weight = nn.Parameter(DTensor.from_local(torch.empty_like(w._local_tensor), mesh, [Shard(0)],
-                                                      run_check=False, shape=w.shape, stride=w.stride()))
+    w = _replace_dtensor_param(model.l1, "weight", mesh)
     (fp,) = [f for f in (h.__closure__[0].cell_contents for h in model.l1._load_state_dict_post_hooks.values())
              if f._module_info.param_name == "weight"]  # the FSDPParam its hook re-pads
     assert fp.sharded_param is w
@@ -460,9 +467,7 @@ def check_many_keys(rank: int, ws: int) -> None:
     # FSDP2's post-hooks judged where a GPU load judges them, once the transfer is queued: with the fed plan
     # (made by the time load_dests returns) no judgment is begun while planning, and the hook of a parameter
     # replaced since fully_shard still runs (FSDP2 takes the new parameter, its shard re-padded, values kept).
-    w = model.blocks[6].w
-    model.blocks[6].w = nn.Parameter(DTensor.from_local(torch.empty_like(w._local_tensor), mesh, [Shard(0)],
-                                                        run_check=False, shape=w.shape, stride=w.stride()))
+    w = _replace_dtensor_param(model.blocks[6], "w", mesh)
     (fp,) = [h.__closure__[0].cell_contents for h in model.blocks[6]._load_state_dict_post_hooks.values()]
     assert fp.sharded_param is w
     fill_sentinel(model)
