@@ -45,7 +45,7 @@ run() {  # run ARM SCRIPT ARGS...: SCRIPT from the arm's tree, on one GPU
 if [ "${GPUTEST:-0}" = 1 ]; then
   echo "--- GPU tests ($(date +%T))"
   PYTHONPATH=$PWD/python:$PWD/tests timeout 300 python3 -m pytest -q tests/test_gpu_single.py tests/test_copy_buckets.py \
-    tests/test_module_walk.py tests/test_host_stage.py 2>&1 | tail -4
+    tests/test_module_walk.py tests/test_host_stage.py > "$OUT/gputest.txt" 2>&1; tail -4 "$OUT/gputest.txt"
 fi
 for i in $(seq "${ROUNDS:-2}"); do
   for a in "${ARMS[@]}"; do
