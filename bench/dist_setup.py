@@ -46,3 +46,18 @@ def timed(fn, cuda: bool):
     if not cuda:
         return out, sec, 0, 0
     return out, sec, torch.cuda.max_memory_allocated() - base_a, torch.cuda.max_memory_reserved() - base_r
+
+
+def best_ms(fn, cuda: bool, n: int = 5) -> float:
+    """The best wall time of n calls of fn(), each up to the device being done, in ms (no barrier: one rank's
+    own work, such as a copy or a host call alone)."""
+    best = float("inf")
+    for _ in range(n):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3

@@ -59,27 +59,15 @@ def load_ms(sd):
     return statistics.median(whole[1:]), statistics.median(after[1:])
 
 
-def ce_ms(fn, n=5):
-    best = 1e9
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
-
-
 dst = torch.empty(flat.numel(), dtype=torch.bfloat16, device=device)
-print(f"one 1 GiB copy by the copy engine (the one buffer): {ce_ms(lambda: dst.copy_(flat, non_blocking=True)):.1f} ms")
+print(f"one 1 GiB copy by the copy engine (the one buffer): {dist_setup.best_ms(lambda: dst.copy_(flat, non_blocking=True), True):.1f} ms")
 def per_tensor():
     o = 0
     for t in separate.values():
         dst[o:o + t.numel()].copy_(t, non_blocking=True)
         o += t.numel()
-print(f"a copy per tensor by the copy engine (separate allocations): {ce_ms(per_tensor, 2):.1f} ms")
-for name, sd in (("separate allocations", separate), ("views of one buffer", one_buffer),
-                 ("separate allocations", separate), ("views of one buffer", one_buffer)):
+print(f"a copy per tensor by the copy engine (separate allocations): {dist_setup.best_ms(per_tensor, True, 2):.1f} ms")
+for name, sd in [("separate allocations", separate), ("views of one buffer", one_buffer)] * 2:  # alternating
     w, t = load_ms(sd)
     print(f"load from {name}: whole {w:.1f} ms, transfer call to last copy {t:.1f} ms", flush=True)
 for cmd in (["numactl", "-H"], ["nvidia-smi", "topo", "-m"]):

@@ -86,10 +86,7 @@ if "start_load_plan" not in cap:  # the plan was fed by load_dests (csrc/dest_fe
 S._C = _C
 del model.state_dict
 def tm(fn, n=5):
-    best = 1e9
-    for _ in range(n):
-        sync(); t0 = time.perf_counter(); fn(); sync(); best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+    return dist_setup.best_ms(fn, cuda, n)
 print(f"model.state_dict(): {tm(lambda: model.state_dict()):.1f} ms (keep_vars=True, as the load calls it: "
       f"{tm(lambda: model.state_dict(keep_vars=True)):.1f} ms)")
 print(f"load_dests alone: {tm(lambda: _C.load_dests(*cap['load_dests'])):.1f} ms")
