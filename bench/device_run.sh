@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs GPUs, in one call on the device machine (nvidia-h200-x2):
-#   bash bench/device_run.sh [STEP...]     steps: env build gputest gpusingle loadcalls refittest refit bench trace keptab init agree fsdp2 loadcheck loadphases loadtimeline modulewalk soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta torchsuite_ddp accelerate planhost copykernels (default: all but the torchsuite ones)
+#   bash bench/device_run.sh [STEP...]     steps: env build gputest gpusingle loadcalls hostread refittest refit bench trace keptab init agree fsdp2 loadcheck loadphases loadtimeline modulewalk soak gpuchecks timeout sanitize perf torchsuite torchsuite_meta torchsuite_ddp accelerate planhost copykernels (default: all but the torchsuite ones)
 # Builds the extension in place with the machine's own torch (or takes prebuilt/, carried, made here by
 # scripts/prebuild_device.sh for these sources and that torch), then runs each step. Logs and results
 # go to $LOGS (default /tmp/device_run) and, after every step, into one archive $OUT/device_run.tgz
@@ -71,6 +71,19 @@ for s in $steps; do
     gpusingle) step gpusingle 400 $PY -m pytest -q -s tests/test_gpu_single.py tests/test_copy_buckets.py \
         tests/test_module_walk.py tests/test_host_stage.py ;;
     loadcalls) step loadcalls 200 $PY -m torch.distributed.run --standalone --nproc-per-node 1 bench/load_calls.py ;;
+    # hostread: how small pinned runs go up: bench/perf/h2d_small.cu (a copy each, one batch, a kernel reading
+    # over the bus), then a 16k-key load (load_calls.py, host_read_probe.py) with each of the engine's ways
+    # (COALESCED_BCAST_HOST_READ), alternating, HOSTREAD_ROUNDS times (default 2; the probe in the first only;
+    # HOSTREAD_PROBE_ONLY=1: no load_calls.py; HOSTREAD_MODES: the ways, default "batch kernel").
+    hostread) step hostread 520 bash -c '
+        /usr/local/cuda/bin/nvcc -O2 -std=c++17 -arch=sm_90 bench/perf/h2d_small.cu -o /tmp/h2d_small && /tmp/h2d_small -n 5
+        for round in $(seq ${HOSTREAD_ROUNDS:-2}); do for mode in ${HOSTREAD_MODES:-batch kernel}; do
+          echo "--- COALESCED_BCAST_HOST_READ=$mode (round $round)"
+          [ -n "${HOSTREAD_PROBE_ONLY:-}" ] || COALESCED_BCAST_HOST_READ=$mode $PY -m torch.distributed.run \
+              --standalone --nproc-per-node 1 bench/load_calls.py 2>&1 | grep -E "^load [1-5]|H2D"
+          [ $round != 1 ] || COALESCED_BCAST_HOST_READ=$mode $PY -m torch.distributed.run --standalone --nproc-per-node 1 \
+              bench/host_read_probe.py 2>&1 | grep -E "^load from"
+        done; done' ;;
     refittest) step refittest 300 $PY -m pytest -q -s tests/test_gpu_refit.py ;;
     refit) step refit 560 $PY -m torch.distributed.run --standalone --nproc-per-node 3 bench/refit_bench.py --out "$LOGS/refit.jsonl" ;;
     bench) step bench 500 $RUN bench/bench.py --out "$LOGS/bench" ${BENCH_CASES:+--cases $BENCH_CASES} ;;

@@ -346,11 +346,65 @@ class CudaExecutor final : public Executor {
     return v == nullptr || std::string(v) != "per_run";
   }
 
-  // COALESCED_BCAST_HOST_READ=stage: small pinned runs go through the host ring like pageable ones
-  // (an A/B switch of the bench, read per bucket).
-  static bool kernel_reads_host() {
+  // How a bucket's small pinned runs go up (COALESCED_BCAST_HOST_READ, read per bucket; the bench's A/B
+  // switch): `kernel` (the default), the copy kernel reading them over the bus; `batch`, the copy engine fed
+  // them all in one call (cudaMemcpyBatchAsync, CUDA 12.8+) where none is strided, else the kernel; `stage`,
+  // the host ring, as pageable runs. `batch` is not yet measured in a load on a GPU (bench/perf/h2d_small.cu
+  // and device_run.sh's hostread step are its measurement).
+  enum class HostRead { kBatch, kKernel, kStage };
+  static HostRead host_read_mode() {
     const char* v = std::getenv("COALESCED_BCAST_HOST_READ");
-    return v == nullptr || std::string(v) != "stage";
+    const std::string mode = v == nullptr ? "" : v;
+    if (mode == "stage") return HostRead::kStage;
+    if (mode == "batch") return HostRead::kBatch;
+    return HostRead::kKernel;
+  }
+
+  // Contiguous pinned runs into the slot by the copy engine, one batch for all of them (runs that continue
+  // one another in host memory and in the slot joined): per copy the engine then pays a descriptor, not a
+  // call of a few microseconds. False where the runtime or driver has no batch copies (nothing queued then).
+  bool batch_copy(uint8_t* dev) {
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12080
+    static bool supported = true;
+    if (!supported) return false;
+    batch_dst_.clear();
+    batch_src_.clear();
+    batch_len_.clear();
+    for (const auto& op : staged_) {
+      uint8_t* d = dev + op.bucket_offset;
+      const uint8_t* h = reinterpret_cast<const uint8_t*>(op.tensor_ptr) + op.tensor_offset;
+      if (!batch_len_.empty() && d == static_cast<uint8_t*>(batch_dst_.back()) + batch_len_.back() &&
+          h == static_cast<const uint8_t*>(batch_src_.back()) + batch_len_.back()) {
+        batch_len_.back() += op.nbytes;
+        continue;
+      }
+      batch_dst_.push_back(d);
+      batch_src_.push_back(h);
+      batch_len_.push_back(static_cast<size_t>(op.nbytes));
+    }
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t first = 0;
+#if CUDART_VERSION >= 13000
+    const cudaError_t err = cudaMemcpyBatchAsync(batch_dst_.data(), batch_src_.data(), batch_len_.data(),
+                                                 batch_len_.size(), &attr, &first, 1, copy_.stream());
+#else
+    size_t failed = 0;
+    const cudaError_t err = cudaMemcpyBatchAsync(batch_dst_.data(), const_cast<void**>(batch_src_.data()),
+                                                 batch_len_.data(), batch_len_.size(), &attr, &first, 1, &failed,
+                                                 copy_.stream());
+#endif
+    if (err == cudaSuccess) return true;
+    if (err != cudaErrorNotSupported && err != cudaErrorCallRequiresNewerDriver && err != cudaErrorInvalidValue) {
+      C10_CUDA_CHECK(err);
+    }
+    (void)cudaGetLastError();
+    supported = false;
+    return false;
+#else
+    (void)dev;
+    return false;
+#endif
   }
 
   // Host run i when the copy engine takes it straight from the caller's pinned tensor.
@@ -370,6 +424,7 @@ class CudaExecutor final : public Executor {
     uint8_t* dev = slot.data_ptr<uint8_t>();
     read_host_ = true;  // each way below reads the caller's host memory
     bool others_pinned = true;
+    bool strided = false;
     int64_t strided_bytes = 0;
     staged_.clear();  // the runs that are not direct
     // Direct runs that continue one another both in host memory and in the slot (views of one pinned
@@ -399,14 +454,19 @@ class CudaExecutor final : public Executor {
       } else {
         staged_.push_back(op);
         others_pinned = others_pinned && pinned(i);
-        if (op.layout >= 0) strided_bytes += op.nbytes;
+        if (op.layout >= 0) {
+          strided = true;
+          strided_bytes += op.nbytes;
+        }
       }
     }
     copy_span();
     if (staged_.empty()) return;
+    const HostRead mode = host_read_mode();
+    if (others_pinned && !strided && mode == HostRead::kBatch && batch_copy(dev)) return;
     // Strided runs are read element by element, a bus transaction each: a few are cheaper read so than
     // staged, a bucket's worth is not (the threads gather them from host memory instead).
-    if (others_pinned && strided_bytes < kDirectMin && kernel_reads_host()) {
+    if (others_pinned && strided_bytes < kDirectMin && mode != HostRead::kStage) {
       launch_copy_bucket(dev, b.nbytes, host_ops_ + b.first_host, b.num_host, layouts_, /*pack=*/true,
                          copy_.stream(), /*skip_min=*/kDirectMin);  // skips exactly the direct runs: all are pinned
       return;
@@ -595,6 +655,9 @@ class CudaExecutor final : public Executor {
   const bool join_copies_;  // adjacent direct runs in one copy
   std::unordered_map<uint64_t, bool> pinned_;
   std::vector<CopyOp> staged_;
+  std::vector<void*> batch_dst_;  // batch_copy's arrays, kept between buckets
+  std::vector<const void*> batch_src_;
+  std::vector<size_t> batch_len_;
 };
 
 std::unique_ptr<Executor> make_cuda_executor(const Plan& plan) {
