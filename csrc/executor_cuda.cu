@@ -24,6 +24,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <deque>
@@ -365,8 +366,8 @@ class CudaExecutor final : public Executor {
   // call of a few microseconds. False where the runtime or driver has no batch copies (nothing queued then).
   bool batch_copy(uint8_t* dev) {
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12080
-    static bool supported = true;
-    if (!supported) return false;
+    static std::atomic<bool> supported{true};  // per process: the runtime and driver do not change
+    if (!supported.load(std::memory_order_relaxed)) return false;
     batch_dst_.clear();
     batch_src_.clear();
     batch_len_.clear();
@@ -399,7 +400,7 @@ class CudaExecutor final : public Executor {
       C10_CUDA_CHECK(err);
     }
     (void)cudaGetLastError();
-    supported = false;
+    supported.store(false, std::memory_order_relaxed);
     return false;
 #else
     (void)dev;
@@ -424,7 +425,6 @@ class CudaExecutor final : public Executor {
     uint8_t* dev = slot.data_ptr<uint8_t>();
     read_host_ = true;  // each way below reads the caller's host memory
     bool others_pinned = true;
-    bool strided = false;
     int64_t strided_bytes = 0;
     staged_.clear();  // the runs that are not direct
     // Direct runs that continue one another both in host memory and in the slot (views of one pinned
@@ -454,16 +454,13 @@ class CudaExecutor final : public Executor {
       } else {
         staged_.push_back(op);
         others_pinned = others_pinned && pinned(i);
-        if (op.layout >= 0) {
-          strided = true;
-          strided_bytes += op.nbytes;
-        }
+        if (op.layout >= 0) strided_bytes += op.nbytes;
       }
     }
     copy_span();
     if (staged_.empty()) return;
     const HostRead mode = host_read_mode();
-    if (others_pinned && !strided && mode == HostRead::kBatch && batch_copy(dev)) return;
+    if (others_pinned && strided_bytes == 0 && mode == HostRead::kBatch && batch_copy(dev)) return;
     // Strided runs are read element by element, a bus transaction each: a few are cheaper read so than
     // staged, a bucket's worth is not (the threads gather them from host memory instead).
     if (others_pinned && strided_bytes < kDirectMin && mode != HostRead::kStage) {
