@@ -361,6 +361,13 @@ class CudaExecutor final : public Executor {
     return HostRead::kKernel;
   }
 
+  // Whether a run at d (slot) and h (host) continues a span of len bytes at span_d and span_h in both, so
+  // that one copy takes both (never under COALESCED_BCAST_HOST_COPIES=per_run).
+  bool continues(const uint8_t* d, const uint8_t* h, const void* span_d, const void* span_h, size_t len) const {
+    return join_copies_ && d == static_cast<const uint8_t*>(span_d) + len &&
+        h == static_cast<const uint8_t*>(span_h) + len;
+  }
+
   // Contiguous pinned runs into the slot by the copy engine, one batch for all of them (runs that continue
   // one another in host memory and in the slot joined): per copy the engine then pays a descriptor, not a
   // call of a few microseconds. False where the runtime or driver has no batch copies (nothing queued then).
@@ -374,8 +381,7 @@ class CudaExecutor final : public Executor {
     for (const auto& op : staged_) {
       uint8_t* d = dev + op.bucket_offset;
       const uint8_t* h = reinterpret_cast<const uint8_t*>(op.tensor_ptr) + op.tensor_offset;
-      if (!batch_len_.empty() && d == static_cast<uint8_t*>(batch_dst_.back()) + batch_len_.back() &&
-          h == static_cast<const uint8_t*>(batch_src_.back()) + batch_len_.back()) {
+      if (!batch_len_.empty() && continues(d, h, batch_dst_.back(), batch_src_.back(), batch_len_.back())) {
         batch_len_.back() += op.nbytes;
         continue;
       }
@@ -443,7 +449,7 @@ class CudaExecutor final : public Executor {
       if (direct(i)) {
         uint8_t* d = dev + op.bucket_offset;
         const uint8_t* h = reinterpret_cast<const uint8_t*>(op.tensor_ptr) + op.tensor_offset;
-        if (span_len > 0 && join_copies_ && d == span_dev + span_len && h == span_host + span_len) {
+        if (span_len > 0 && continues(d, h, span_dev, span_host, span_len)) {
           span_len += op.nbytes;
           continue;
         }
