@@ -74,10 +74,10 @@ for s in $steps; do
     # hostread: how small pinned runs go up: bench/perf/h2d_small.cu (a copy each, one batch, a kernel reading
     # over the bus), then a 16k-key load (load_calls.py, host_read_probe.py) with each of the engine's ways
     # (COALESCED_BCAST_HOST_READ), alternating, HOSTREAD_ROUNDS times (default 2; the probe in the first only;
-    # HOSTREAD_PROBE_ONLY=1: no load_calls.py; HOSTREAD_MODES: the ways, default "batch kernel").
+    # HOSTREAD_PROBE_ONLY=1: no load_calls.py; HOSTREAD_MODES: the ways, default "kernel stage").
     hostread) step hostread 520 bash -c '
         /usr/local/cuda/bin/nvcc -O2 -std=c++17 -arch=sm_90 bench/perf/h2d_small.cu -o /tmp/h2d_small && /tmp/h2d_small -n 5
-        for round in $(seq ${HOSTREAD_ROUNDS:-2}); do for mode in ${HOSTREAD_MODES:-batch kernel}; do
+        for round in $(seq ${HOSTREAD_ROUNDS:-2}); do for mode in ${HOSTREAD_MODES:-kernel stage}; do
           echo "--- COALESCED_BCAST_HOST_READ=$mode (round $round)"
           [ -n "${HOSTREAD_PROBE_ONLY:-}" ] || COALESCED_BCAST_HOST_READ=$mode $PY -m torch.distributed.run \
               --standalone --nproc-per-node 1 bench/load_calls.py 2>&1 | grep -E "^load [1-5]|H2D"

@@ -24,7 +24,6 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <deque>
@@ -347,71 +346,14 @@ class CudaExecutor final : public Executor {
     return v == nullptr || std::string(v) != "per_run";
   }
 
-  // How a bucket's small pinned runs go up (COALESCED_BCAST_HOST_READ, read per bucket; the bench's A/B
-  // switch): `kernel` (the default), the copy kernel reading them over the bus; `batch`, the copy engine fed
-  // them all in one call (cudaMemcpyBatchAsync, CUDA 12.8+) where none is strided, else the kernel; `stage`,
-  // the host ring, as pageable runs. `batch` is not yet measured in a load on a GPU (bench/perf/h2d_small.cu
-  // and device_run.sh's hostread step are its measurement).
-  enum class HostRead { kBatch, kKernel, kStage };
-  static HostRead host_read_mode() {
+  // COALESCED_BCAST_HOST_READ=stage: small pinned runs go through the host ring like pageable ones
+  // (an A/B switch of the bench, read per bucket). The copy engine fed them in one cudaMemcpyBatchAsync is
+  // no third way: the host spends ~1.2 us a run to enqueue it (16,384 runs of 4 or 64 KiB: 19-20 ms), where
+  // the kernel reads 1 GiB of such runs at 51 GB/s, 93% of one large copy (one H100, CUDA 13.0,
+  // bench/perf/h2d_small.cu, 2026-12-06).
+  static bool kernel_reads_host() {
     const char* v = std::getenv("COALESCED_BCAST_HOST_READ");
-    const std::string mode = v == nullptr ? "" : v;
-    if (mode == "stage") return HostRead::kStage;
-    if (mode == "batch") return HostRead::kBatch;
-    return HostRead::kKernel;
-  }
-
-  // Whether a run at d (slot) and h (host) continues a span of len bytes at span_d and span_h in both, so
-  // that one copy takes both (never under COALESCED_BCAST_HOST_COPIES=per_run).
-  bool continues(const uint8_t* d, const uint8_t* h, const void* span_d, const void* span_h, size_t len) const {
-    return join_copies_ && d == static_cast<const uint8_t*>(span_d) + len &&
-        h == static_cast<const uint8_t*>(span_h) + len;
-  }
-
-  // Contiguous pinned runs into the slot by the copy engine, one batch for all of them (runs that continue
-  // one another in host memory and in the slot joined): per copy the engine then pays a descriptor, not a
-  // call of a few microseconds. False where the runtime or driver has no batch copies (nothing queued then).
-  bool batch_copy(uint8_t* dev) {
-#if defined(CUDART_VERSION) && CUDART_VERSION >= 12080
-    static std::atomic<bool> supported{true};  // per process: the runtime and driver do not change
-    if (!supported.load(std::memory_order_relaxed)) return false;
-    batch_dst_.clear();
-    batch_src_.clear();
-    batch_len_.clear();
-    for (const auto& op : staged_) {
-      uint8_t* d = dev + op.bucket_offset;
-      const uint8_t* h = reinterpret_cast<const uint8_t*>(op.tensor_ptr) + op.tensor_offset;
-      if (!batch_len_.empty() && continues(d, h, batch_dst_.back(), batch_src_.back(), batch_len_.back())) {
-        batch_len_.back() += op.nbytes;
-        continue;
-      }
-      batch_dst_.push_back(d);
-      batch_src_.push_back(h);
-      batch_len_.push_back(static_cast<size_t>(op.nbytes));
-    }
-    cudaMemcpyAttributes attr{};
-    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    size_t first = 0;
-#if CUDART_VERSION >= 13000
-    const cudaError_t err = cudaMemcpyBatchAsync(batch_dst_.data(), batch_src_.data(), batch_len_.data(),
-                                                 batch_len_.size(), &attr, &first, 1, copy_.stream());
-#else
-    size_t failed = 0;
-    const cudaError_t err = cudaMemcpyBatchAsync(batch_dst_.data(), const_cast<void**>(batch_src_.data()),
-                                                 batch_len_.data(), batch_len_.size(), &attr, &first, 1, &failed,
-                                                 copy_.stream());
-#endif
-    if (err == cudaSuccess) return true;
-    if (err != cudaErrorNotSupported && err != cudaErrorCallRequiresNewerDriver && err != cudaErrorInvalidValue) {
-      C10_CUDA_CHECK(err);
-    }
-    (void)cudaGetLastError();
-    supported.store(false, std::memory_order_relaxed);
-    return false;
-#else
-    (void)dev;
-    return false;
-#endif
+    return v == nullptr || std::string(v) != "stage";
   }
 
   // Host run i when the copy engine takes it straight from the caller's pinned tensor.
@@ -449,7 +391,7 @@ class CudaExecutor final : public Executor {
       if (direct(i)) {
         uint8_t* d = dev + op.bucket_offset;
         const uint8_t* h = reinterpret_cast<const uint8_t*>(op.tensor_ptr) + op.tensor_offset;
-        if (span_len > 0 && continues(d, h, span_dev, span_host, span_len)) {
+        if (span_len > 0 && join_copies_ && d == span_dev + span_len && h == span_host + span_len) {
           span_len += op.nbytes;
           continue;
         }
@@ -465,11 +407,9 @@ class CudaExecutor final : public Executor {
     }
     copy_span();
     if (staged_.empty()) return;
-    const HostRead mode = host_read_mode();
-    if (others_pinned && strided_bytes == 0 && mode == HostRead::kBatch && batch_copy(dev)) return;
     // Strided runs are read element by element, a bus transaction each: a few are cheaper read so than
     // staged, a bucket's worth is not (the threads gather them from host memory instead).
-    if (others_pinned && strided_bytes < kDirectMin && mode != HostRead::kStage) {
+    if (others_pinned && strided_bytes < kDirectMin && kernel_reads_host()) {
       launch_copy_bucket(dev, b.nbytes, host_ops_ + b.first_host, b.num_host, layouts_, /*pack=*/true,
                          copy_.stream(), /*skip_min=*/kDirectMin);  // skips exactly the direct runs: all are pinned
       return;
@@ -658,9 +598,6 @@ class CudaExecutor final : public Executor {
   const bool join_copies_;  // adjacent direct runs in one copy
   std::unordered_map<uint64_t, bool> pinned_;
   std::vector<CopyOp> staged_;
-  std::vector<void*> batch_dst_;  // batch_copy's arrays, kept between buckets
-  std::vector<const void*> batch_src_;
-  std::vector<size_t> batch_len_;
 };
 
 std::unique_ptr<Executor> make_cuda_executor(const Plan& plan) {

@@ -74,12 +74,11 @@ def test_load_mixed_sources_on_one_gpu(copy_blocks, monkeypatch):
     run_ranks(1, _mixed_body, backend="nccl", timeout=200)
 
 
-@pytest.mark.parametrize("host_read", [None, "batch", "stage"])
+@pytest.mark.parametrize("host_read", [None, "stage"])
 def test_load_pinned_sources_on_one_gpu(host_read, monkeypatch):
     """Every source tensor pinned (contiguous and strided, small and large): the copy kernel reads the
-    small and strided runs from host memory, the copy engine the large ones; host_read=batch: a bucket's
-    small runs by the copy engine in one batch where none is strided; host_read=stage: through the host ring
-    instead (COALESCED_BCAST_HOST_READ, the bench's A/B switch)."""
+    small and strided runs from host memory, the copy engine the large ones; host_read=stage: through the
+    host ring instead (COALESCED_BCAST_HOST_READ, the bench's A/B switch)."""
     if host_read:
         monkeypatch.setenv("COALESCED_BCAST_HOST_READ", host_read)
     run_ranks(1, _mixed_body, True, backend="nccl", timeout=200)
