@@ -171,6 +171,15 @@ class PendingPlan {
     feed_->close(use);
   }
   bool used() const { return feed_ != nullptr && feed_->used(); }
+  // A fed plan closed unused, once result() returned: the destinations load_dests put in the feed (it kept
+  // no list of its own), for the plan made as before.
+  TensorList dests() {
+    TORCH_CHECK_VALUE(feed_ != nullptr && feed_->closed() && !feed_->used() && taken_,
+                      "dests() is for a fed plan closed unused, after its result()");
+    TORCH_CHECK_VALUE(!dests_taken_, "a fed plan's dests() are taken once");
+    dests_taken_ = true;
+    return TensorList{feed_->take_put()};
+  }
 
   std::optional<Plan> result() {
     TORCH_CHECK_VALUE(feed_ == nullptr || feed_->closed(), "a fed plan's result is taken after close()");
@@ -190,6 +199,7 @@ class PendingPlan {
   std::optional<Plan> plan_;
   std::exception_ptr error_;
   bool taken_ = false;
+  bool dests_taken_ = false;
   std::atomic<bool> done_{false};
   std::thread thread_;  // last: it starts once the members it writes exist
 };
@@ -294,6 +304,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("done", &PendingPlan::done, "Whether the plan is made (result() returns at once)")
       .def("close", &PendingPlan::close, py::arg("use"),
            "A fed plan: no more destinations; use: whether the plan is wanted")
+      .def("dests", &PendingPlan::dests,
+           "A fed plan closed unused, after result(): the destinations load_dests put in it, as a TensorList")
       .def_property_readonly("used", &PendingPlan::used,
                              "Whether a fed plan was closed wanted, with every destination as load_dests found it");
   m.def(

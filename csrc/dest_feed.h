@@ -61,6 +61,8 @@ class DestFeed {
     tensors_.resize(n);
     return std::move(tensors_);
   }
+  // Every destination put, taken out: a feed closed unused, its reader done (the plan is then made from them).
+  std::vector<at::Tensor> take_put() { return take(count_.load(std::memory_order_acquire)); }
 
  private:
   enum { kOpen = 0, kUsed = 1, kDropped = 2 };

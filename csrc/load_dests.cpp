@@ -478,11 +478,17 @@ py::tuple load_dests(
         problem(i, s.str());
         continue;
       }
-      auto [dest, fresh] = dest_of.find_or_add(reinterpret_cast<uintptr_t>(v), locals.size());
+      auto [dest, fresh] = dest_of.find_or_add(reinterpret_cast<uintptr_t>(v), meta.size());
       if (fresh) {
-        locals.push_back(local);
+        // Fed, the feed alone holds the tensor: a second reference per key cost its refcount's line twice
+        // more (taken and, when the list was let go before the transfer, given back), beside the planning
+        // thread reading that tensor. Where that plan is not used, the caller takes them from the feed.
+        if (feed != nullptr) {
+          feed->put(local, m);
+        } else {
+          locals.push_back(local);
+        }
         meta.push_back(m);
-        if (feed != nullptr) feed->put(local, m);
       } else {
         meta[dest] = m;  // the last key's unit, in the first key's place
         if (feed != nullptr) feed->spoil();

@@ -37,8 +37,9 @@ constexpr const char* kKeyMark = "\x01key\x01";
 // int64 [U, 2 + kMaxDims], each unit's source row int64 [U], keys cast,
 // [(value index, message with kKeyMark for its key)]). A tensor named by two
 // keys is one destination that takes the last key's unit, in its first key's
-// place (as a dict keeps it). feed: where each destination is also put as it is
-// found, for a plan made meanwhile (dest_feed.h); such a tensor spoils it.
+// place (as a dict keeps it). feed: where each destination is put instead, as it
+// is found, for a plan made meanwhile (dest_feed.h; the local tensors returned are
+// then none: PendingPlan.dests() has them); a tensor named twice spoils it.
 py::tuple load_dests(
     const py::list& values,
     const at::Tensor& rows,

@@ -203,6 +203,8 @@ def test_a_fed_load_plan_is_the_plan_made_after_load_dests():
     fed = _fed(described, len(dests))
     local, meta_t, units_t, rows, cast_keys, problems = _load_dests(dests, described, fed)
     assert problems == [] and cast_keys == 1 and torch.equal(rows, torch.arange(len(sources)))
+    assert len(local) == 0  # fed, the feed alone holds the destinations
+    local = _load_dests(dests, described, None)[0]
     with pytest.raises(ValueError, match="after close"):
         fed.result()
     fed.close(True)
@@ -226,19 +228,34 @@ def test_a_fed_load_plan_not_wanted_or_spoiled_gives_none():
     """A fed plan closed unwanted, or whose destination load_dests changed after putting it (a tensor named by
     two keys takes the last key's unit), is dropped: used is False and result() None, and the plan made as
     before serves. A problem of the plan's own (a destination that overlaps itself) is raised only where the
-    plan is wanted. One never closed (load_dests raised) is dropped with its object, not waited for."""
+    plan is wanted. One never closed (load_dests raised) is dropped with its object, not waited for. The
+    destinations put, which load_dests keeps no list of when fed, come back from it (dests()), once only."""
     sources = [torch.arange(6, dtype=torch.float32), torch.arange(6, dtype=torch.float32) + 10]
     described = _C.describe_tensors(sources, torch.device("cpu"))
     shared = torch.zeros(6)
     fed = _fed(described, 2)
     out = _load_dests([shared, shared], described, fed)
-    assert out[5] == [] and len(out[0]) == 1  # one destination, of the last key's unit
+    assert out[5] == [] and len(out[0]) == 0 and out[1][0, 0] == 1  # one destination, of the last key's unit
+    with pytest.raises(ValueError, match="after its result"):
+        fed.dests()
     fed.close(True)
     assert not fed.used and fed.result() is None
+    dests = fed.dests()
+    assert len(dests) == 1
+    with pytest.raises(ValueError, match="taken once"):
+        fed.dests()
+    # the plan made from them is the one made from load_dests's own list, without a feed
+    plans = [_C.load_plan(out[2], _C.describe_tensors(sources, torch.device("cpu"))[3], d, out[1], 4096, 2, 0, 1,
+                          torch.device("cpu"))
+             for d in (dests, _load_dests([shared, shared], described, None)[0])]
+    facts = ("num_buckets", "num_scatter_runs", "num_units_sent", "total_bytes")
+    assert [getattr(plans[0], f) for f in facts] == [getattr(plans[1], f) for f in facts]
+    assert plans[0].num_scatter_runs == 1
     fed = _fed(described, 2)
     _load_dests([torch.zeros(6), torch.zeros(6)], described, fed)
     fed.close(False)
     assert not fed.used and fed.result() is None
+    assert len(fed.dests()) == 2
     overlapping = [torch.zeros(1).expand(6), torch.zeros(6)]
     for use in (True, False):
         fed = _fed(described, 2)

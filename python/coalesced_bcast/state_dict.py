@@ -645,6 +645,7 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], model
     else:
         if fed is not None:
             fed.result()  # (None) its thread done reading the source's tensors, which `take` moves out
+            local = fed.dests()  # load_dests put the destinations in the feed alone
         sources = []
         if src_tensors is not None:  # a _C.TensorList on the source (one per table row)
             sources = src_tensors if in_order else src_tensors.take(unit_src_rows)
