@@ -326,7 +326,7 @@ py::tuple load_dests(
   std::vector<std::array<int64_t, 1 + kMaxDims>> meta;
   IdTable<size_t> dest_of(n);  // a value named by two keys: one destination
   std::vector<int64_t> unit_of_row(R, -1), unit_rows;
-  locals.reserve(n);
+  if (feed == nullptr) locals.reserve(n);  // fed, the feed holds them
   meta.reserve(n);
   unit_rows.reserve(std::min(n, R));
   std::unordered_map<PyObject*, MeshFacts> facts_of;
@@ -452,11 +452,10 @@ py::tuple load_dests(
         }
         // A box of no elements takes no bytes whatever its shape: FSDP2 gives a (1, 0) parameter's rank 0 a
         // (0, 0) shard where Shard(0) splits it as (1, 0).
-        const at::Tensor& local = *lp;
-        const bool empty_both = local.numel() == 0 && c10::multiply_integers(local_shape) == 0;
-        if (!local.sizes().equals(local_shape) && !empty_both) {
+        const bool empty_both = lp->numel() == 0 && c10::multiply_integers(local_shape) == 0;
+        if (!lp->sizes().equals(local_shape) && !empty_both) {
           problem(i, key + ": rank " + std::to_string(rank) + " holds a local shard of shape " +
-                         tuple_str(local.sizes()) + ", but its placements " + py_str(placements) +
+                         tuple_str(lp->sizes()) + ", but its placements " + py_str(placements) +
                          " on a mesh of shape " + py_str(py::tuple(mesh.attr("shape"))) + " give " +
                          tuple_str(local_shape));
           continue;
