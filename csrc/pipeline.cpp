@@ -107,13 +107,13 @@ c10d::BroadcastOptions broadcast_options(int64_t src, std::chrono::milliseconds 
 }  // namespace
 
 bool can_prepare(const Plan& plan) {
-  return !plan.is_load && !plan.is_refit && !plan.buckets.empty() && plan.ring_slots > 0 &&
+  return !plan.is_refit && !plan.buckets.empty() && plan.ring_slots > 0 &&
       plan.direct_buckets < static_cast<int64_t>(plan.buckets.size());
 }
 
 PreparedRun::PreparedRun(const Plan& p, bool src, bool pack, at::Tensor ring)
     : plan(&p), generation(p.layout_generation), is_src(src), device(p.device) {
-  TORCH_CHECK(can_prepare(p), "a run is prepared only for a sync's plan with buckets through the ring");
+  TORCH_CHECK(can_prepare(p), "a run is prepared only for a sync's or a load's plan with buckets through the ring");
   c10::DeviceGuard device_guard(device);
   at::NoGradGuard no_grad;
   exec = make_executor(p);
@@ -139,6 +139,7 @@ int64_t PreparedRun::speculate(
     int64_t src,
     std::chrono::milliseconds timeout) {
   TORCH_CHECK(exec && sent == 0, "speculate() once, on a prepared run not yet taken");
+  TORCH_CHECK(!plan->is_load, "a load's prepared run is not speculated: its agreement is the load's own");
   TORCH_CHECK_VALUE(
       src >= 0 && src < pg->getSize(), "src must be a rank of the group (0..", pg->getSize() - 1, "), got ", src,
       " on rank ", pg->getRank());
@@ -298,7 +299,7 @@ RunStats broadcast_plan(
   if (prepared != nullptr && prepared->exec) {
     TORCH_CHECK(
         prepared->plan == &plan && prepared->generation == plan.layout_generation && prepared->is_src == is_src &&
-            !hook && !leave_host_reads,
+            !hook,
         "a prepared run belongs to another plan, layout or rank, got one of generation ", prepared->generation,
         " for layout ", plan.layout_generation);
     TORCH_CHECK(prepared->sent == 0 || prepared->packed == prepared->sent || !is_src,

@@ -48,13 +48,14 @@ using BucketHook = std::function<void(int64_t bucket, const at::Tensor& slot)>;
 
 class Executor;  // executor.h
 
-// A sync's ring made before the agreement, on every rank: its memory
-// allocated and its copy table uploaded, and on the source its first buckets
-// packed (one per slot). None of it moves a byte between ranks, so it can
-// precede the agreement: a rank that cannot get its ring (out of memory) says
-// so there and every rank raises, instead of failing alone after it while the
-// others wait; and on CUDA the upload and the packs run while the host
-// agrees, so the first broadcast need not wait for them. Taken by the
+// A sync's or a load's ring made before the agreement, on every rank: its
+// memory allocated and its copy table uploaded, and on the source its first
+// buckets packed (one per slot; a load's pack reads the checkpoint's host
+// memory). None of it moves a byte between ranks or writes a tensor of the
+// caller's, so it can precede the agreement: a rank that cannot get its ring
+// (out of memory) says so there and every rank raises, instead of failing
+// alone after it while the others wait; and on CUDA the upload and the packs
+// run while the host agrees, so the first broadcast need not wait for them. Taken by the
 // broadcast_plan that follows, or dropped (the agreement failed, or laid the
 // buckets out again): the caller's stream is then ordered after what it
 // queued, and the ring is freed.
@@ -95,8 +96,9 @@ inline at::Tensor slot_of(const Plan& plan, const at::Tensor& arena, int64_t k) 
   return arena.narrow(0, (k % plan.ring_slots) * plan.slot_bytes, plan.buckets[k].nbytes);
 }
 
-// Whether a plan's run can be prepared: a sync's (not a load's or a refit's)
-// with buckets through the ring.
+// Whether a plan's run can be prepared: a sync's or a load's (not a refit's,
+// whose sender gathers its buckets from the trainer ranks) with buckets
+// through the ring.
 bool can_prepare(const Plan& plan);
 
 RunStats broadcast_plan(

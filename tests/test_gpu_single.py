@@ -230,6 +230,56 @@ def test_load_post_hooks_run_while_the_host_copies_do():
     run_ranks(1, _hooks_beside_copies_body, backend="nccl", timeout=200)
 
 
+def _dropped_prepared_body(rank, world_size):
+    import coalesced_bcast.state_dict as load_module
+    dev = torch.device("cuda", 0)
+    g = torch.Generator(device=dev).manual_seed(17)
+    # Large pinned runs (the copy engine) and small ones (the copy kernel's reads over the bus), 1 MiB buckets.
+    shapes = [(2 << 20,)] * 2 + [(2048,)] * 64
+    full = {f"w{i}": torch.randint(-2**15, 2**15, s, dtype=torch.int16, device=dev, generator=g)
+            for i, s in enumerate(shapes)}
+    model = nn.Module()
+    for k, v in full.items():
+        model.register_parameter(k, nn.Parameter(torch.zeros_like(v), requires_grad=False))
+    sd = {k: v.cpu().pin_memory() for k, v in full.items()}
+    coalesced_bcast.load_full_state_dict(model, {k: torch.zeros_like(v) for k, v in sd.items()}, bucket_bytes=1 << 20)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(dev)
+    prepare, agree, made = coalesced_bcast._C.Plan.prepare, load_module._agree, []
+
+    def recorded(plan, is_src):
+        made.append(prepare(plan, is_src))
+        return made[-1]
+
+    def refused(*args):
+        raise load_module.LoadStateDictError("a test's refusal, after the ring was made")
+
+    coalesced_bcast._C.Plan.prepare, load_module._agree = recorded, refused
+    try:
+        with pytest.raises(load_module.LoadStateDictError, match="a test's refusal"):
+            coalesced_bcast.load_full_state_dict(model, sd, bucket_bytes=1 << 20)
+        assert len(made) == 1 and made[0].packed == 2, "the source did not pack its first buckets before the agreement"
+        del made[:]  # the dropped run: its copies of the source's memory waited for, its ring freed
+    finally:
+        coalesced_bcast._C.Plan.prepare, load_module._agree = prepare, agree
+    # Nothing of the caller's written, and done with the source's memory: it may change at once.
+    for v in sd.values():
+        v.neg_()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated(dev) == base, "the dropped ring is still held"
+    assert all(not getattr(model, k).any() for k in full), "a load refused in its agreement wrote the model"
+    coalesced_bcast.load_full_state_dict(model, sd, bucket_bytes=1 << 20)
+    torch.cuda.synchronize()
+    for k, v in full.items():
+        assert torch.equal(getattr(model, k), v.neg()), f"'{k}' differs"
+
+
+def test_load_prepared_before_its_agreement_is_dropped_clean():
+    """A load's source packs its first buckets from pinned memory before the agreement; refused there, that run
+    is dropped: the model unwritten, the ring freed, the source's memory no longer read, the next load bitwise."""
+    run_ranks(1, _dropped_prepared_body, backend="nccl", timeout=200)
+
+
 def _busy_copy_lane_body(rank, world_size):
     dev = torch.device("cuda", 0)
     g = torch.Generator(device=dev).manual_seed(11)

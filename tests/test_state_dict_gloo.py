@@ -630,6 +630,57 @@ def test_direct_buckets_into_a_tensor() -> None:
     run_ranks(2, _direct_body)
 
 
+def _ring_refused_body(rank: int, ws: int) -> None:
+    """The ring is made before the agreement, as a sync's: a rank that cannot make it (out of memory) refuses
+    there, every rank raises naming it, nothing is written, the source's early packs are dropped, and the next
+    load goes through; on a load that goes through, the source's first buckets were packed before it."""
+    def make() -> nn.Module:
+        return nn.Sequential(*[nn.Linear(30, 30) for _ in range(4)])  # 15 kB: 4 buckets of 4 kB
+    model = make()
+    g = torch.Generator().manual_seed(5)
+    sd = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+    for v in sd.values():
+        fill_random_bytes(v, g)
+    prepare = coalesced_bcast._C.Plan.prepare
+    made = []
+    if rank == 1:
+        def no_memory(plan, is_src):
+            raise torch.OutOfMemoryError("out of memory. Tried to allocate 8.00 KiB (a test's refusal)")
+        coalesced_bcast._C.Plan.prepare = no_memory
+    else:
+        def recorded(plan, is_src):
+            made.append(prepare(plan, is_src))
+            return made[-1]
+        coalesced_bcast._C.Plan.prepare = recorded
+    before = snapshot(model)
+    try:
+        expect_error(lambda: load_full_state_dict(model, sd if rank == 0 else None, bucket_bytes=4096),
+                     "no rank loaded anything", "rank 1 could not make its ring", "Tried to allocate 8.00 KiB")
+    finally:
+        coalesced_bcast._C.Plan.prepare = prepare
+    after = snapshot(model)
+    assert all(same_bits(before[k], after[k]) for k in before), f"a refused load wrote something on rank {rank}"
+    if rank == 0:
+        assert len(made) == 1 and made[0].packed == 2, "the source packed its first buckets before the agreement"
+    del made
+    coalesced_bcast._C.Plan.prepare = recorded if rank == 0 else prepare
+    made = []
+    try:
+        stats = load_full_state_dict(model, sd if rank == 0 else None, bucket_bytes=4096)
+    finally:
+        coalesced_bcast._C.Plan.prepare = prepare
+    assert stats.buckets > 2, stats
+    got = model.state_dict()
+    for k, v in sd.items():
+        assert same_bits(got[k], v), f"'{k}' differs from the source's on rank {rank}"
+    if rank == 0:
+        assert len(made) == 1 and made[0].packed == 2, "the source packed its first buckets before the agreement"
+
+
+def test_a_rank_without_memory_for_its_ring_refuses_in_the_agreement() -> None:
+    run_ranks(2, _ring_refused_body)
+
+
 class Casts(nn.Module):
     def __init__(self) -> None:
         super().__init__()

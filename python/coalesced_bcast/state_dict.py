@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from . import _C, _dtensor
 from .agree import host_reads_wait, payload_broadcast
-from .sync import DEFAULT_RING_DEPTH, _group_src, _resolve_group, gc_paused
+from .sync import _PREPARE, DEFAULT_RING_DEPTH, _group_src, _resolve_group, gc_paused
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,12 @@ def load_full_state_dict(
                                      f"anything: {meta['fatal']}")
         plan = _plan_local(model, model_sd, model_keys, extra_mods, owned, meta, src_tensors, strict, device, rank,
                            error or unreadable, bucket_bytes, ring_depth, copy_threads)
-        strict_after_hooks = _agree(plan, pg, src_g, ctrl, rank)
+        _prepare(plan, model, is_src, rank, bucket_bytes)
+        try:
+            strict_after_hooks = _agree(plan, pg, src_g, ctrl, rank)
+        except BaseException:
+            plan.prepared = None  # its ring freed now, not when the traceback goes
+            raise
         buckets, reads = _transfer(plan, pg, src_g, is_src, timeout, progress_seconds, t0)
         try:  # the source's copies of host memory may still run: the host does the rest meanwhile
             tensors, nbytes = plan.tensors, plan.total
@@ -563,6 +568,7 @@ class _Plan:
         self.total = 0  # their bytes
         self.core = None  # the engine's plan (_C.start_load_plan(...).result())
         self.hooks: Any = None  # a _C.HookJudgment of the post-hooks, begun while the plan was made
+        self.prepared: Any = None  # the engine's ring made before the agreement (_prepare), for the transfer
         self.ring_bytes = 0
         self.host_ring_bytes = 0
 
@@ -583,6 +589,22 @@ def _plan_local(model: nn.Module, model_sd: Optional[Mapping[str, Any]], model_k
     if plan.errors:
         plan.errors.insert(0, f"Error(s) in loading state_dict for {type(model).__name__} on rank {rank}:")
     return plan
+
+
+def _prepare(plan: _Plan, model: nn.Module, is_src: bool, rank: int, bucket_bytes: int) -> None:
+    """The ring before the agreement (csrc/pipeline.h, PreparedRun), as a sync makes it: a rank that cannot have
+    it (out of memory) refuses in the agreement, so that every rank raises with nothing written, where after it
+    that rank alone would fail while the others wait in the first broadcast; and the source's first buckets are
+    read from the checkpoint (host memory: the bus's slowest leg) while the ranks agree."""
+    core = plan.core
+    if core is None or plan.errors or not _PREPARE or not core.can_prepare:
+        return
+    try:
+        plan.prepared = core.prepare(is_src)
+    except Exception as e:  # out of memory, mostly
+        plan.errors += [f"Error(s) in loading state_dict for {type(model).__name__} on rank {rank}:",
+                        f"rank {rank} could not make its ring of {core.ring_slots} buckets "
+                        f"(bucket_bytes={bucket_bytes}): {type(e).__name__}: {e}"]
 
 
 def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], model_keys: _ModelState,
@@ -917,8 +939,14 @@ def _transfer(plan: _Plan, pg: dist.ProcessGroup, src_g: int, is_src: bool, time
 
     # COALESCED_BCAST_LOAD_HOST_WAIT=inline: the host waits for the copies inside the broadcast (the bench's A/B).
     leave = os.environ.get("COALESCED_BCAST_LOAD_HOST_WAIT") != "inline"
-    out = payload_broadcast(core, pg, src_g, timeout, progress if is_src else None, progress_seconds,
-                            leave_host_reads=leave)
+    # Taken by the transfer; let go after it either way: it refers to the plan, which the post-hooks must be free
+    # to let go (load_full_state_dict), and on an error its ring goes now, not with the traceback.
+    prepared, plan.prepared = plan.prepared, None
+    try:
+        out = payload_broadcast(core, pg, src_g, timeout, progress if is_src else None, progress_seconds,
+                                leave_host_reads=leave, prepared=prepared)
+    finally:
+        prepared = None
     plan.ring_bytes, plan.host_ring_bytes = out[1], out[2]
     return core.num_buckets, out[3] if leave else None
 

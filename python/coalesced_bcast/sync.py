@@ -20,8 +20,8 @@ from .verify import verify_plan
 
 logger = logging.getLogger(__name__)
 
-#: Rings made before the agreement (csrc/pipeline.h, PreparedRun); COALESCED_BCAST_PREPARE=0 makes them after it,
-#: as before (A/B runs).
+#: Rings made before the agreement (csrc/pipeline.h, PreparedRun), a sync's and a load's;
+#: COALESCED_BCAST_PREPARE=0 makes them after it, as before (A/B runs).
 _PREPARE = os.environ.get("COALESCED_BCAST_PREPARE", "1") != "0"
 
 # The defaults live in the C++ core (csrc/plan.h), which the perf binary shares.
