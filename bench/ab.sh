@@ -5,7 +5,8 @@
 #   bash bench/ab.sh patch PATCH   the tree as it is (arm new) against it with PATCH reversed (arm base), built side
 #                                  by side; make PATCH with: git add -N <new files> && git diff HEAD -- csrc > PATCH
 # Knobs: GPUTEST=1 runs the one-GPU tests on the tree as it is first; ROUNDS (default 2) load_calls.py rounds;
-# SOURCES (default pinned) fsdp2_load.py's sources; OFFLOAD=1 adds its rows with shards offloaded to pinned memory.
+# SOURCES (default pinned) fsdp2_load.py's sources (FSDP2=0: none of its rows); OFFLOAD=1 adds its rows with shards
+# offloaded to pinned memory.
 # bench/ab_env.sh and bench/ab_patch.sh (results of 2026-12-04 and -05) were these two modes.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
@@ -57,7 +58,7 @@ for i in $(seq "${ROUNDS:-2}"); do
     echo "--- fine $a $i ($(date +%T))"; run "$a" bench/load_calls.py | tee -a "$OUT/fine_$a.txt" | tail -11
   done
 done
-for a in "${ARMS[@]}"; do
+[ "${FSDP2:-1}" = 1 ] && for a in "${ARMS[@]}"; do
   echo "--- fsdp2_load $a ($(date +%T))"
   run "$a" bench/fsdp2_load.py --states small16k --sources "${SOURCES:-pinned}" --phases --no-dcp --reps 4 \
     --out "$OUT/load_$a.jsonl" | tail -12

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _C, _dtensor
-from .agree import host_reads_wait, payload_broadcast
+from .agree import control_stream, host_reads_wait, payload_broadcast
 from .sync import _PREPARE, DEFAULT_RING_DEPTH, _group_src, _resolve_group, gc_paused
 
 logger = logging.getLogger(__name__)
@@ -498,24 +498,28 @@ def _broadcast_meta(meta: Optional[dict], pg: dist.ProcessGroup, src_g: int, ctr
             meta = dict(fatal=f"rank {rank}: the checkpoint's metadata (keys, shapes, extra states) cannot be "
                               f"pickled: {type(e).__name__}: {e}")
             blob = pickle.dumps(meta)
-    n = torch.tensor([len(blob)], dtype=torch.int64, device=ctrl)
-    dist.broadcast(n, src, group=pg)
-    total = int(n.item())
-    host = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if meta is not None else torch.empty(total, dtype=torch.uint8)
-    if ctrl.type == "cpu":
-        # gloo reads and writes host memory: the bytes go as they lie, in one broadcast (a staging copy in
-        # pieces cost 5-8 ms per 512 KiB on the 2-core CI machine, where torch's copy_ ran on two threads).
-        if total:
-            dist.broadcast(host, src, group=pg)
-    else:
-        chunk = torch.empty(min(total, _META_CHUNK), dtype=torch.uint8, device=ctrl)
-        for lo in range(0, total, _META_CHUNK):
-            part = chunk[:min(_META_CHUNK, total - lo)]
-            if meta is not None:
-                part.copy_(host[lo:lo + part.numel()])
-            dist.broadcast(part, src, group=pg)
-            if meta is None:
-                host[lo:lo + part.numel()].copy_(part)
+    # On the control stream, as the agreement's records: the host waits for these alone, not for what the caller
+    # queued before the load (its model's initialization, say).
+    with control_stream(ctrl):
+        n = torch.tensor([len(blob)], dtype=torch.int64, device=ctrl)
+        dist.broadcast(n, src, group=pg)
+        total = int(n.item())
+        host = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if meta is not None
+                else torch.empty(total, dtype=torch.uint8))
+        if ctrl.type == "cpu":
+            # gloo reads and writes host memory: the bytes go as they lie, in one broadcast (a staging copy in
+            # pieces cost 5-8 ms per 512 KiB on the 2-core CI machine, where torch's copy_ ran on two threads).
+            if total:
+                dist.broadcast(host, src, group=pg)
+        else:
+            chunk = torch.empty(min(total, _META_CHUNK), dtype=torch.uint8, device=ctrl)
+            for lo in range(0, total, _META_CHUNK):
+                part = chunk[:min(_META_CHUNK, total - lo)]
+                if meta is not None:
+                    part.copy_(host[lo:lo + part.numel()])
+                dist.broadcast(part, src, group=pg)
+                if meta is None:
+                    host[lo:lo + part.numel()].copy_(part)
     if meta is not None:
         return meta, None
     try:
@@ -861,15 +865,21 @@ _REFUSED, _AFTER_HOOKS = 1, 2  # a record's status, beside 0: ready
 
 def _gather_records(status: int, digest: int, n: int, msg: str, pg: dist.ProcessGroup,
                     ctrl: torch.device) -> tuple[list[list[int]], Callable[[int], str]]:
-    """One all_gather of a small record per rank: the heads [status, digest, n] and each rank's message."""
+    """One all_gather of a small record per rank: the heads [status, digest, n] and each rank's message.
+
+    On the control stream (agree.control_stream: high priority, its own): the host then waits for the records
+    alone, not for the caller's work or the source's first packs queued before the agreement (_prepare)."""
+    if pg.size() == 1:  # nothing to gather: this rank's own record
+        return [[status, digest, n]], lambda r: msg
     rec = torch.zeros(_RECORD, dtype=torch.uint8)
     rec[:24].view(torch.int64).copy_(torch.tensor([status, digest, n]))
     raw = msg.encode()[: _RECORD - 24]
     if raw:
         rec[24:24 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    out = [torch.empty(_RECORD, dtype=torch.uint8, device=ctrl) for _ in range(pg.size())]
-    dist.all_gather(out, rec.to(ctrl), group=pg)
-    table = torch.stack(out).cpu()
+    with control_stream(ctrl):
+        out = [torch.empty(_RECORD, dtype=torch.uint8, device=ctrl) for _ in range(pg.size())]
+        dist.all_gather(out, rec.to(ctrl), group=pg)
+        table = torch.stack(out).cpu()
 
     def text(r: int) -> str:
         words = bytes(table[r, 24:].tolist()).rstrip(b"\0").decode(errors="replace")
