@@ -489,6 +489,8 @@ def _broadcast_meta(meta: Optional[dict], pg: dist.ProcessGroup, src_g: int, ctr
     """The source's metadata on every rank, and why this rank cannot read it (None: it can). Every rank
     takes part in every broadcast whatever fails, so that a failure reaches the agreement instead of
     leaving the others waiting."""
+    if pg.size() == 1:  # the source alone: nothing to send (and nothing to pickle)
+        return meta, None
     src = dist.get_global_rank(pg, src_g)
     blob = b""
     if meta is not None:
