@@ -55,10 +55,10 @@ class Executor;  // executor.h
 // caller's, so it can precede the agreement: a rank that cannot get its ring
 // (out of memory) says so there and every rank raises, instead of failing
 // alone after it while the others wait; and on CUDA the upload and the packs
-// run while the host agrees, so the first broadcast need not wait for them. Taken by the
-// broadcast_plan that follows, or dropped (the agreement failed, or laid the
-// buckets out again): the caller's stream is then ordered after what it
-// queued, and the ring is freed.
+// run while the host agrees, so the first broadcast need not wait for them.
+// Taken by the broadcast_plan that follows, or dropped (the agreement
+// failed, or laid the buckets out again): the caller's stream is then ordered
+// after what it queued, and the ring is freed.
 //
 // A kept plan may also send its first buckets before the agreement
 // (speculate): ring slot to ring slot, so that no tensor of the caller's is
