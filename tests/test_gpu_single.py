@@ -230,7 +230,7 @@ def test_load_post_hooks_run_while_the_host_copies_do():
     run_ranks(1, _hooks_beside_copies_body, backend="nccl", timeout=200)
 
 
-def _dropped_prepared_body(rank, world_size):
+def _dropped_prepared_body(rank, world_size, pinned):
     import coalesced_bcast.state_dict as load_module
     dev = torch.device("cuda", 0)
     g = torch.Generator(device=dev).manual_seed(17)
@@ -241,7 +241,8 @@ def _dropped_prepared_body(rank, world_size):
     model = nn.Module()
     for k, v in full.items():
         model.register_parameter(k, nn.Parameter(torch.zeros_like(v), requires_grad=False))
-    sd = {k: v.cpu().pin_memory() for k, v in full.items()}
+    # pageable: the host stage's threads copy the first buckets into pinned memory before the agreement
+    sd = {k: v.cpu().pin_memory() if pinned else v.cpu() for k, v in full.items()}
     coalesced_bcast.load_full_state_dict(model, {k: torch.zeros_like(v) for k, v in sd.items()}, bucket_bytes=1 << 20)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated(dev)
@@ -274,10 +275,11 @@ def _dropped_prepared_body(rank, world_size):
         assert torch.equal(getattr(model, k), v.neg()), f"'{k}' differs"
 
 
-def test_load_prepared_before_its_agreement_is_dropped_clean():
-    """A load's source packs its first buckets from pinned memory before the agreement; refused there, that run
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+def test_load_prepared_before_its_agreement_is_dropped_clean(pinned):
+    """A load's source packs its first buckets from host memory before the agreement; refused there, that run
     is dropped: the model unwritten, the ring freed, the source's memory no longer read, the next load bitwise."""
-    run_ranks(1, _dropped_prepared_body, backend="nccl", timeout=200)
+    run_ranks(1, _dropped_prepared_body, pinned, backend="nccl", timeout=200)
 
 
 def _busy_copy_lane_body(rank, world_size):
