@@ -559,6 +559,38 @@ def test_checkpoint_keys_cross_as_one_string_and_split_back() -> None:
     assert not _same_keys(_from_wire(pickle.loads(pickle.dumps(_to_wire(meta)))), model(b, _joined(b)))
 
 
+def test_metadata_tables_cross_compact_and_come_back_equal() -> None:
+    """The metadata's int64 tables go without trailing zero columns, and 0..n-1 columns as their length
+    (state_dict.py _to_wire); every shape comes back equal (_from_wire)."""
+    import pickle
+    from coalesced_bcast.state_dict import _from_wire, _to_wire
+
+    g = torch.Generator().manual_seed(0)
+    n = 16384
+    sizes = torch.zeros(n, 10, dtype=torch.int64)
+    sizes[:, 0], sizes[:, 1], sizes[:, 2] = 15, 1, torch.randint(1, 1 << 20, (n,), generator=g)  # 1-dim bf16
+    wide = sizes.clone()
+    wide[7, 1], wide[7, 2:9] = 7, torch.arange(2, 9)  # one 7-dim tensor: its columns go for every row
+    ties = torch.arange(n)
+    ties[5] = 3
+    cases = [dict(rows=torch.arange(n), table=sizes, canon=torch.arange(n)),
+             dict(rows=torch.tensor([0, 2, 5]), table=wide[:3], canon=ties[:3]),
+             dict(rows=torch.arange(n), table=wide, canon=ties),
+             dict(rows=torch.zeros(0, dtype=torch.int64), table=torch.zeros(0, 10, dtype=torch.int64),
+                  canon=torch.zeros(0, dtype=torch.int64)),
+             dict(rows=torch.arange(2), table=torch.zeros(2, 10, dtype=torch.int64), canon=torch.tensor([0, 0]))]
+    for case in cases:
+        meta = dict(fatal=None, keys=[], num_keys=0, keys_joined=None, **case)
+        blob = pickle.dumps(_to_wire(meta), protocol=pickle.HIGHEST_PROTOCOL)
+        back = _from_wire(pickle.loads(blob))
+        for k, t in case.items():
+            assert back[k].dtype == torch.int64 and torch.equal(back[k], t), (k, t.shape)
+    meta = dict(fatal=None, keys=[], num_keys=0, keys_joined=None, **cases[0])
+    raw = sum(t.numel() * 8 for t in cases[0].values())
+    blob = pickle.dumps(_to_wire(meta), protocol=pickle.HIGHEST_PROTOCOL)
+    assert len(blob) < raw // 3, f"{len(blob)} bytes for {raw} bytes of tables"  # 3 columns of 10, two lengths
+
+
 def test_two_ranks() -> None:
     run_ranks(2, run_all_2, timeout=150)
 

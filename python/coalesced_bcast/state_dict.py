@@ -535,24 +535,45 @@ _WIRE_TABLES = ("rows", "table", "canon")  # the metadata's int64 tensors
 
 
 def _to_wire(meta: dict) -> dict:
-    """The metadata with its int64 tables as (shape, raw bytes): a pickled tensor goes through torch's storage
-    reduction, 3-4x the time of the rest of the metadata at 16k keys; and its keys as one joined string, where
-    they can be, not a list."""
+    """The metadata with its int64 tables as (shape, columns, raw bytes): a pickled tensor goes through torch's
+    storage reduction, 3-4x the time of the rest of the metadata at 16k keys; and its keys as one joined string,
+    where they can be, not a list. A table goes without its trailing columns of zeros (the size columns past every
+    tensor's last dimension: 8 of the 10 where all are 1-dim), a 0, 1, ..., n-1 column (rows, canon without
+    ties) as its length alone: for 16k 1-dim tensors 1.57 MB of tables become 0.39 MB (the pickled metadata of
+    the bench's 16k-key state 1.66 -> 0.48 MB), bytes that go through device memory in 512 KiB pieces."""
     wire = dict(meta)
     if wire.get("keys_joined") is not None:
         wire["keys"] = None  # the joined string goes instead (_checkpoint_keys)
     for k in _WIRE_TABLES:
         t = wire.get(k)
-        if isinstance(t, torch.Tensor):
-            wire[k] = (tuple(t.shape), t.contiguous().numpy().tobytes())
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = t.contiguous()
+        if t.dim() == 1 and t.numel() > 0 and bool(torch.equal(t, torch.arange(t.numel(), dtype=t.dtype))):
+            wire[k] = (tuple(t.shape), 0, None)
+        elif t.dim() == 2 and t.numel() > 0:
+            used = t.ne(0).any(dim=0).nonzero()
+            cols = int(used[-1]) + 1 if used.numel() else 0
+            wire[k] = (tuple(t.shape), cols, t[:, :cols].contiguous().numpy().tobytes())
+        else:
+            wire[k] = (tuple(t.shape), -1, t.numpy().tobytes())
     return wire
 
 
 def _from_wire(wire: dict) -> dict:
     for k in _WIRE_TABLES:
         v = wire.get(k)
-        if isinstance(v, tuple):
-            shape, raw = v
+        if not isinstance(v, tuple):
+            continue
+        shape, cols, raw = v
+        if raw is None:
+            wire[k] = torch.arange(shape[0], dtype=torch.int64)
+        elif cols >= 0:
+            t = torch.zeros(shape, dtype=torch.int64)
+            if cols:
+                t[:, :cols] = torch.frombuffer(bytearray(raw), dtype=torch.int64).reshape(shape[0], cols)
+            wire[k] = t
+        else:
             wire[k] = (torch.frombuffer(bytearray(raw), dtype=torch.int64) if raw else
                        torch.empty(0, dtype=torch.int64)).reshape(shape)
     return wire
