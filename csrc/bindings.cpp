@@ -204,6 +204,53 @@ class PendingPlan {
   std::thread thread_;  // last: it starts once the members it writes exist
 };
 
+// A load source's describe_tensors on a thread of its own, started before the model's device is known:
+// the source's tensors are read while the caller reads the model's state (state_dict.py). The list was
+// converted under the GIL; the thread reads only tensors (no Python object, no reference let go).
+// result(device) waits without the GIL and makes the device check.
+class PendingDescribe {
+ public:
+  explicit PendingDescribe(std::vector<at::Tensor> tensors)
+      : tensors_(std::move(tensors)), thread_([this] {
+          try {
+            out_ = describe_tensors(tensors_, std::nullopt, &on_device_);
+          } catch (...) {
+            error_ = std::current_exception();
+          }
+        }) {}
+  PendingDescribe(const PendingDescribe&) = delete;
+  PendingDescribe& operator=(const PendingDescribe&) = delete;
+  ~PendingDescribe() {  // dropped unread: joined without the GIL; the tensors are let go with it after
+    join();
+  }
+  py::tuple result(c10::Device device) {
+    TORCH_CHECK_VALUE(!taken_, "a pending description's result is taken once");
+    join();
+    taken_ = true;
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+    auto& [table, canon, problems] = out_;
+    check_source_devices(tensors_, on_device_, device, table, canon, problems);
+    return py::make_tuple(table, canon, problems, TensorList{std::move(tensors_)});
+  }
+
+ private:
+  void join() {
+    if (!thread_.joinable()) return;
+    if (PyGILState_Check()) {
+      py::gil_scoped_release release;
+      thread_.join();
+    } else {
+      thread_.join();
+    }
+  }
+  std::vector<at::Tensor> tensors_;
+  std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>> out_;
+  std::vector<int64_t> on_device_;
+  std::exception_ptr error_;
+  bool taken_ = false;
+  std::thread thread_;  // last: it starts once the members it writes exist
+};
+
 std::chrono::milliseconds to_timeout(double seconds) {
   return seconds > 0 ? std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)) : c10d::kUnsetTimeout;
 }
@@ -573,6 +620,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("tensors"), py::arg("device"),
       "A load source's tensors: (table int64 [n, 2 + 8] of dtype, ndim, sizes; canonical index of each; "
       "[(index, why)] for those that cannot be sent; the tensors as a TensorList, for load_plan)");
+  py::class_<PendingDescribe>(m, "PendingDescribe",
+                              "describe_tensors on a thread, started before the model's device is known")
+      .def("result", &PendingDescribe::result, py::arg("device"),
+           "describe_tensors' tuple, once the thread is done, with the device check made against `device`");
+  m.def(
+      "start_describe",
+      [](const py::handle& list) { return std::make_unique<PendingDescribe>(tensors_from(list, "tensor")); },
+      py::arg("tensors"), "describe_tensors(tensors, device) begun on a thread: result(device) gives its tuple");
   py::class_<HostReads, std::shared_ptr<HostReads>>(
       m, "HostReads", "The copies of a load source's host memory still running after its broadcast returned")
       .def("wait", &HostReads::wait, py::call_guard<py::gil_scoped_release>(),

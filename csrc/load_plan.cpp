@@ -418,9 +418,40 @@ std::optional<Plan> make_fed_load_plan(
   }
 }
 
+namespace {
+std::string device_problem(c10::Device on, c10::Device model) {
+  std::ostringstream s;
+  s << "on " << on << ", but the model is on " << model << "; use CPU tensors or the model's device";
+  return s.str();
+}
+}  // namespace
+
+void check_source_devices(
+    const std::vector<at::Tensor>& tensors,
+    const std::vector<int64_t>& on_device,
+    c10::Device device,
+    at::Tensor& table,
+    at::Tensor& canon,
+    std::vector<std::pair<int64_t, std::string>>& problems) {
+  auto* const rows = table.data_ptr<int64_t>();
+  auto* const c = canon.data_ptr<int64_t>();
+  bool added = false;
+  for (const int64_t i : on_device) {
+    const auto on = tensors[i].device();
+    if (on == device) continue;
+    // A tie is the same memory, so on the same device: it is refused too, each its own canonical row.
+    std::fill(rows + i * (2 + kMaxDims), rows + (i + 1) * (2 + kMaxDims), int64_t{0});
+    c[i] = i;
+    problems.emplace_back(i, device_problem(on, device));
+    added = true;
+  }
+  if (added) std::sort(problems.begin(), problems.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+}
+
 std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>> describe_tensors(
     const std::vector<at::Tensor>& tensors,
-    c10::Device device) {
+    std::optional<c10::Device> device,
+    std::vector<int64_t>* on_device) {
   const auto n = static_cast<int64_t>(tensors.size());
   auto table = at::zeros({n, 2 + kMaxDims}, at::kLong);
   auto canon = at::empty({n}, at::kLong);
@@ -442,6 +473,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>>
   struct Found {
     std::vector<Key> keys;
     std::vector<std::pair<int64_t, std::string>> problems;
+    std::vector<int64_t> on_device;  // without a device to check against: the tensors not on the CPU
   };
   std::mutex mu;
   std::map<int64_t, Found> found;  // by the chunk's first index
@@ -464,11 +496,8 @@ std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>>
           problem = "not a dense tensor; only dense tensors can be loaded";
         } else if (t.is_meta()) {
           problem = "a meta tensor (it has no data)";
-        } else if (!t.device().is_cpu() && t.device() != device) {
-          std::ostringstream s;
-          s << "on " << t.device() << ", but the model is on " << device
-            << "; use CPU tensors or the model's device";
-          problem = s.str();
+        } else if (device && !t.device().is_cpu() && t.device() != *device) {
+          problem = device_problem(t.device(), *device);
         } else if (t.dim() > kMaxDims) {
           problem = "a tensor of " + std::to_string(t.dim()) + " dims; at most " + std::to_string(kMaxDims) +
               " are supported";
@@ -479,6 +508,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>>
           const uint64_t h = hash_mix(hash_mix(layout_hash(*t.unsafeGetTensorImpl()), t.is_conj() | (t.is_neg() << 1)),
                                       static_cast<uint64_t>(t.device().type()));
           if (t.numel() > 0) f.keys.push_back(Key{reinterpret_cast<uintptr_t>(t.data_ptr()), h, i});
+          if (!device && !t.device().is_cpu()) f.on_device.push_back(i);
         }
       } catch (const std::exception& e) {  // a tensor whose data cannot be read (no storage): named, not thrown
         problem = std::string("a tensor whose data cannot be read: ") + e.what();
@@ -494,6 +524,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>>
   for (auto& [begin, f] : found) {
     keys.insert(keys.end(), f.keys.begin(), f.keys.end());
     for (auto& p : f.problems) problems.push_back(std::move(p));
+    if (on_device != nullptr) on_device->insert(on_device->end(), f.on_device.begin(), f.on_device.end());
   }
   // In the usual case (no two tensors at one address) the sort is the only pass over all keys.
   std::sort(keys.begin(), keys.end());

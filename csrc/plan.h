@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -268,9 +269,23 @@ Layout collapse_layout(const at::Tensor& t, const std::function<std::string()>& 
 // What a load's source sends first: per tensor a row of the `units` table
 // (dtype, ndim, sizes), the first tensor that is the same memory seen the same
 // way (ties are sent once), and (index, why) for each tensor it cannot send.
+// Without `device` (the model's, not known yet: the source describes its
+// tensors while the model's state is read) the tensors not on the CPU are
+// listed in `on_device` instead, for check_source_devices once it is known.
 std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>> describe_tensors(
     const std::vector<at::Tensor>& tensors,
-    c10::Device device);
+    std::optional<c10::Device> device,
+    std::vector<int64_t>* on_device = nullptr);
+
+// describe_tensors' device check, made after it: each tensor of `on_device`
+// that is not on `device` is refused (its row zeroed, its own canonical row).
+void check_source_devices(
+    const std::vector<at::Tensor>& tensors,
+    const std::vector<int64_t>& on_device,
+    c10::Device device,
+    at::Tensor& table,
+    at::Tensor& canon,
+    std::vector<std::pair<int64_t, std::string>>& problems);
 
 // Bounds-checks the copy table against the tensors and buckets it points into;
 // called before anything is launched.

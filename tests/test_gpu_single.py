@@ -282,6 +282,34 @@ def test_load_prepared_before_its_agreement_is_dropped_clean(pinned):
     run_ranks(1, _dropped_prepared_body, pinned, backend="nccl", timeout=200)
 
 
+def _wrong_device_source_body(rank, world_size, early):
+    import coalesced_bcast.state_dict as load_module
+    load_module._EARLY_DESCRIBE = early  # the source's tensors described beside the model's state, or after it
+    model = nn.Module()
+    model.a = nn.Parameter(torch.zeros(6))
+    model.b = nn.Parameter(torch.zeros(4))
+    model.c = nn.Parameter(torch.zeros(4))
+    gpu = torch.arange(4.0, device="cuda")
+    sd = {"a": torch.arange(6.0), "b": gpu, "c": gpu}  # the model on the CPU: b and c (one tensor, tied) refused
+    with pytest.raises(load_module.LoadStateDictError) as e:
+        coalesced_bcast.load_full_state_dict(model, sd)
+    msg = str(e.value)
+    for key in ('"b"', '"c"'):
+        assert key in msg, msg
+    assert "on cuda:0, but the model is on cpu" in msg, msg
+    assert not model.a.any(), "a refused load wrote the model"
+    sd["b"] = sd["c"] = gpu.cpu()
+    coalesced_bcast.load_full_state_dict(model, sd)
+    assert torch.equal(model.a, torch.arange(6.0)) and torch.equal(model.c, torch.arange(4.0))
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["early", "after"])
+def test_load_source_on_another_device_than_the_model_is_refused(early):
+    """A source tensor on a device the model is not on is refused, naming its keys, whether the source described
+    its tensors beside reading the model's state (the device checked after) or after it; then the load goes."""
+    run_ranks(1, _wrong_device_source_body, early, backend="gloo", timeout=120)
+
+
 def _busy_copy_lane_body(rank, world_size):
     dev = torch.device("cuda", 0)
     g = torch.Generator(device=dev).manual_seed(11)

@@ -142,6 +142,7 @@ def load_full_state_dict(
     ctrl = _control_device(pg)
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
+    early = _start_describe(sd) if is_src else None  # the source's tensors read while the model's state is
     with torch.no_grad():
         model_sd, extra_mods, owned, error = None, {}, _C.IdSet(()), None
         model_keys = _NO_MODEL_STATE
@@ -165,9 +166,10 @@ def load_full_state_dict(
         if is_src:
             try:
                 meta, src_tensors = _describe_source(sd, extra_mods, device, error, bucket_bytes, ring_depth, rank,
-                                                     model_sd, model_keys)
+                                                     model_sd, model_keys, early)
             except Exception as e:  # the others are already waiting for the metadata: tell them
                 meta, src_tensors = dict(fatal=f"rank {rank}: {type(e).__name__}: {e}"), None
+        early = None
         meta, unreadable = _broadcast_meta(meta, pg, src_g, ctrl, rank)
         if meta["fatal"]:
             raise LoadStateDictError(f"load_full_state_dict: source rank {src} refused, so no rank loaded "
@@ -398,13 +400,34 @@ def _checkpoint_keys(meta: dict) -> list[str]:
     return meta["keys"]
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)
+#: COALESCED_BCAST_EARLY_DESCRIBE=0: the source describes its tensors after reading the model's state, not beside
+#: it (A/B runs).
+_EARLY_DESCRIBE = os.environ.get("COALESCED_BCAST_EARLY_DESCRIBE", "1") != "0"
+
+
+def _start_describe(sd: Any) -> Optional[tuple[list, Any]]:
+    """The source's tensors described on a thread (_C.start_describe) while this one reads the model's state, where
+    every value is a plain tensor (the usual checkpoint): (the values, the pending description), else None."""
+    if not _EARLY_DESCRIBE or not isinstance(sd, Mapping):
+        return None
+    try:
+        values = list(sd.values())
+        if not values or not set(map(type, values)) <= set(_PLAIN):
+            return None
+        return values, _C.start_describe(values)
+    except Exception:  # a Mapping that fails to list its values: _describe_source words it, on every rank
+        return None
+
+
 def _describe_source(sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Module], device: torch.device,
                      error: Optional[str], bucket_bytes: int, ring_depth: int, rank: int,
                      model_sd: Optional[Mapping[str, Any]] = None,
-                     model_keys: _ModelState = _NO_MODEL_STATE) -> tuple[dict, Any]:
+                     model_keys: _ModelState = _NO_MODEL_STATE, early: Optional[tuple] = None) -> tuple[dict, Any]:
     """The metadata every rank plans from: the keys; for the plain tensors among the values (their key
     indices in `rows`) a C++-made table of dtype, ndim and sizes and, in `canon`, per row the first row that is
-    the same tensor (ties are sent once); extra states (`extras`, pickled objects) and refusals (`bad`)."""
+    the same tensor (ties are sent once); extra states (`extras`, pickled objects) and refusals (`bad`).
+    early: _start_describe(sd)'s, used where no value is a module's extra state."""
     meta: dict[str, Any] = dict(fatal=None, keys=[], num_keys=0, keys_joined=None, rows=None, table=None, canon=None,
                                 extras={}, bad={}, bucket_bytes=bucket_bytes, ring_depth=ring_depth, norm_versions={})
     if error is None and not isinstance(sd, Mapping):
@@ -421,9 +444,11 @@ def _describe_source(sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Mod
         meta["fatal"] = f"rank {rank}: the state dict has a key that is not a string: {bad_key!r}"
         return meta, []
     rows, tensors = [], []
-    plain = (torch.Tensor, nn.Parameter)
-    values = list(sd.values())
-    if not extra and set(map(type, values)) <= set(plain):  # the usual case: every value a plain tensor
+    plain = _PLAIN
+    if extra:
+        early = None  # described as a whole: some values are extra states
+    values = early[0] if early is not None else list(sd.values())
+    if early is not None or (not extra and set(map(type, values)) <= set(plain)):  # the usual case: all tensors
         rows, tensors = range(len(values)), values  # (a range: no int object per key)
     else:
         for i, (k, v) in enumerate(sd.items()):
@@ -436,7 +461,10 @@ def _describe_source(sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Mod
                 meta["bad"][i] = _source_problem(v)
     if model_sd is not None and not _same_keys(meta, model_keys):  # the same keys in order: none lacking
         meta["norm_versions"] = _norm_versions(sd, model_sd)
-    table, canon, problems, tensors = _C.describe_tensors(tensors, device)  # tensors: now a _C.TensorList
+    if early is not None:
+        table, canon, problems, tensors = early[1].result(device)  # tensors: now a _C.TensorList
+    else:
+        table, canon, problems, tensors = _C.describe_tensors(tensors, device)
     for j, why in problems:
         meta["bad"][rows[j]] = why
     every = len(rows) == len(keys)  # the usual case: each key a row, in order
