@@ -134,6 +134,18 @@ std::vector<at::Tensor> tensors_of(const py::handle& h) {
   return tensors_from(h, "item");
 }
 
+// Joins a helper thread, without the GIL where this thread holds it: the helper may take it (to let
+// tensors go), and a caller waiting on it must not hold it meanwhile.
+void join_without_gil(std::thread& thread) {
+  if (!thread.joinable()) return;
+  if (PyGILState_Check()) {
+    py::gil_scoped_release release;
+    thread.join();
+  } else {
+    thread.join();
+  }
+}
+
 // A load's plan made on a thread of its own while the caller goes on (state_dict.py judges FSDP2's
 // post-hooks meanwhile, under the GIL: at 16k keys each costs ~10 ms). The arguments were converted
 // under the GIL; planning reads only tensors. result() waits without the GIL and raises what planning
@@ -157,13 +169,7 @@ class PendingPlan {
   bool done() const { return done_.load(std::memory_order_acquire); }
   ~PendingPlan() {  // one dropped unread: joined without the GIL, which the thread may take to let tensors go
     if (feed_) feed_->close(false);  // a fed plan left open (load_dests raised): its thread waits no more
-    if (!thread_.joinable()) return;
-    if (PyGILState_Check()) {
-      py::gil_scoped_release release;
-      thread_.join();
-    } else {
-      thread_.join();
-    }
+    join_without_gil(thread_);
   }
   DestFeed* feed() const { return feed_.get(); }
   void close(bool use) {
@@ -183,10 +189,7 @@ class PendingPlan {
 
   std::optional<Plan> result() {
     TORCH_CHECK_VALUE(feed_ == nullptr || feed_->closed(), "a fed plan's result is taken after close()");
-    if (thread_.joinable()) {
-      py::gil_scoped_release release;
-      thread_.join();
-    }
+    join_without_gil(thread_);
     if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
     TORCH_CHECK_VALUE(!taken_, "a pending plan's result is taken once");
     taken_ = true;
@@ -221,11 +224,11 @@ class PendingDescribe {
   PendingDescribe(const PendingDescribe&) = delete;
   PendingDescribe& operator=(const PendingDescribe&) = delete;
   ~PendingDescribe() {  // dropped unread: joined without the GIL; the tensors are let go with it after
-    join();
+    join_without_gil(thread_);
   }
   py::tuple result(c10::Device device) {
     TORCH_CHECK_VALUE(!taken_, "a pending description's result is taken once");
-    join();
+    join_without_gil(thread_);
     taken_ = true;
     if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
     auto& [table, canon, problems] = out_;
@@ -234,15 +237,6 @@ class PendingDescribe {
   }
 
  private:
-  void join() {
-    if (!thread_.joinable()) return;
-    if (PyGILState_Check()) {
-      py::gil_scoped_release release;
-      thread_.join();
-    } else {
-      thread_.join();
-    }
-  }
   std::vector<at::Tensor> tensors_;
   std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>> out_;
   std::vector<int64_t> on_device_;
