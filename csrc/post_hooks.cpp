@@ -46,54 +46,49 @@ bool ends_with(PyObject* str, const char* tail) {
   return len >= n && std::memcmp(s + len - n, tail, n) == 0;
 }
 
-// The FSDPParam that a hook of FSDP2's closes over, or null.
-PyObject* fsdp_param_of(PyObject* hook) {
-  if (!PyFunction_Check(hook)) return nullptr;
-  if (!ends_with(PyFunction_GET_MODULE(hook), "._fsdp_param")) return nullptr;
-  PyObject* closure = PyFunction_GET_CLOSURE(hook);
-  if (closure == nullptr || !PyTuple_Check(closure) || PyTuple_GET_SIZE(closure) == 0) return nullptr;
-  PyObject* cell = PyTuple_GET_ITEM(closure, 0);
-  if (!PyCell_Check(cell)) return nullptr;
-  PyObject* fp = PyCell_GET(cell);
-  if (fp == nullptr || std::strcmp(Py_TYPE(fp)->tp_name, "FSDPParam") != 0) return nullptr;
-  return fp;
-}
+// What one of FSDP2's hooks reads: hook -> closure -> cell -> FSDPParam -> its
+// parameter (a DTensor), padded storage, module info and pin flag -> the
+// module, the parameter's name and the DTensor's local shard. Fetched hop by
+// hop for a group of hooks at once (all_judged_idle), each object read once.
+struct Chain {
+  PyObject* fp = nullptr;  // the FSDPParam, borrowed from the hook's closure cell
+  py::object param, data, info, pin, owner, pname, local;
+};
 
-bool judge(PyObject* m, PyObject* hook) {
-  PyObject* fp = fsdp_param_of(hook);
-  if (fp == nullptr) return false;
-  const auto& n = names();
-  py::object info = attr_or_empty(fp, n.module_info), param = attr_or_empty(fp, n.sharded_param);
-  if (!info || !param) return false;
-  py::object owner = attr_or_empty(info.ptr(), n.module);
-  if (!owner || owner.ptr() != m) return false;
-  py::object pname = attr_or_empty(info.ptr(), n.param_name), params = attr_or_empty(m, module_attrs().parameters);
-  if (!pname || !params || !PyDict_Check(params.ptr())) return false;
-  PyObject* held = PyDict_GetItemWithError(params.ptr(), pname.ptr());  // borrowed
+// Whether m's hook, fetched as c, is idle (the rules of idle_fsdp_hook).
+// params: m._parameters (borrowed; may be null).
+bool idle(PyObject* m, PyObject* params, PyObject* hook, const Chain& c) {
+  if (!ends_with(PyFunction_GET_MODULE(hook), "._fsdp_param")) return false;
+  if (c.owner.ptr() != m || params == nullptr || !PyDict_Check(params)) return false;
+  PyObject* held = PyDict_GetItemWithError(params, c.pname.ptr());  // borrowed
   if (held == nullptr) {
     PyErr_Clear();
     return false;
   }
-  if (held != param.ptr()) return false;
-  py::object data = attr_or_empty(fp, n.param_data), local = attr_or_empty(param.ptr(), n.local_tensor);
+  if (held != c.param.ptr()) return false;
   // type(data) is torch.Tensor: FSDP2's padded storage, a plain tensor
-  if (!data || !local || Py_TYPE(data.ptr()) != reinterpret_cast<PyTypeObject*>(THPVariableClass) ||
-      !THPVariable_Check(local.ptr())) {
+  if (Py_TYPE(c.data.ptr()) != reinterpret_cast<PyTypeObject*>(THPVariableClass) ||
+      !THPVariable_Check(c.local.ptr())) {
+    return false;
+  }
+  const at::Tensor& shard = THPVariable_Unpack(c.local.ptr());
+  const at::Tensor& padded = THPVariable_Unpack(c.data.ptr());
+  // The shard starts the padded storage: one StorageImpl, one first byte, read
+  // from the two TensorImpls (their data pointers would cost a cold line more
+  // each, the StorageImpl's: at 16k hooks a tenth of the judgment). An empty or
+  // meta shard is not judged idle.
+  if (!shard.has_storage() || !padded.has_storage() || shard.is_meta() || shard.numel() == 0) return false;
+  if (shard.storage().unsafeGetStorageImpl() != padded.storage().unsafeGetStorageImpl() ||
+      shard.storage_offset() * static_cast<int64_t>(shard.dtype().itemsize()) !=
+          padded.storage_offset() * static_cast<int64_t>(padded.dtype().itemsize())) {
+    return false;
+  }
+  const int pinned = PyObject_IsTrue(c.pin.ptr());
+  if (pinned < 0) {
+    PyErr_Clear();
     return false;
   }
   try {
-    const at::Tensor& shard = THPVariable_Unpack(local.ptr());
-    const at::Tensor& padded = THPVariable_Unpack(data.ptr());
-    if (!shard.has_storage() || !padded.has_storage()) return false;
-    const void* ptr = shard.const_data_ptr();
-    if (ptr == nullptr || ptr != padded.const_data_ptr()) return false;
-    py::object pin = attr_or_empty(fp, n.pin_memory);
-    if (!pin) return false;
-    const int pinned = PyObject_IsTrue(pin.ptr());
-    if (pinned < 0) {
-      PyErr_Clear();
-      return false;
-    }
     return !(pinned && !pinned_host(shard));  // where FSDP2 pins, its shard is torch's pinned memory
   } catch (const std::exception&) {  // a tensor without data this build can read
     return false;
@@ -102,35 +97,42 @@ bool judge(PyObject* m, PyObject* hook) {
 
 // load_state_dict's walk: children first, then the module's own hooks; a
 // module reached twice is visited twice, as there. False where a module cannot
-// be read as one.
+// be read as one. A module's hooks are read from its dict of them directly,
+// also where that is an OrderedDict (torch's): the verdict is over all of them,
+// whatever their order, and an OrderedDict's iterator looks each key up twice
+// (at 16k hooks on one module, a third of the judgment on the CPU machine).
 bool collect(PyObject* m, std::vector<std::pair<PyObject*, py::object>>& out) {
   const auto& a = module_attrs();
   py::object children = attr_or_empty(m, a.modules), hooks = attr_or_empty(m, a.load_post_hooks);
   if (!children || !PyDict_Check(children.ptr()) || !hooks || !PyDict_Check(hooks.ptr())) return false;
   const auto child_hooks = [&](PyObject*, PyObject* child) { return child == Py_None || collect(child, out); };
-  return for_items(children.ptr(), child_hooks) && for_items(hooks.ptr(), [&](PyObject*, PyObject* hook) {
-           out.emplace_back(m, py::reinterpret_borrow<py::object>(hook));
-           return true;
-         });
+  if (!for_items(children.ptr(), child_hooks)) return false;
+  const auto add = [&](PyObject*, PyObject* hook) {
+    out.emplace_back(m, py::reinterpret_borrow<py::object>(hook));
+    return true;
+  };
+  if (!PyDict_CheckExact(hooks.ptr()) && !PyODict_CheckExact(hooks.ptr())) return for_items(hooks.ptr(), add);
+  Py_ssize_t pos = 0;
+  PyObject *key = nullptr, *hook = nullptr;
+  while (PyDict_Next(hooks.ptr(), &pos, &key, &hook)) add(key, hook);
+  return true;
 }
 
 constexpr size_t kGroup = 16;
 
-// The hooks judged kGroup at a time, one hop of judge()'s chain per pass over
-// the group (hook -> closure -> cell -> FSDPParam -> its parameter, padded
-// storage and module info -> the tensors and the parameter's name), each pass
-// prefetching what the next reads, so that a group's cache misses overlap:
-// after a load of 16k parameters their FSDPParams, DTensors and tensors are
-// cold, and one chain at a time waits on memory at every hop (on the CPU
-// machine 1.6 us a hook that way, 0.9 us so). Then judge() itself, over
-// objects now in cache.
-// Hooks [begin, end).
+// The hooks judged kGroup at a time, one hop of the chain per pass over the
+// group, each pass prefetching what the next reads, so that a group's cache
+// misses overlap: after a load of 16k parameters their FSDPParams, DTensors
+// and tensors are cold, and one chain at a time waits on memory at every hop
+// (on the CPU machine 1.6 us a hook that way, 0.9 us so). Hooks [begin, end).
 bool all_judged_idle(const std::vector<std::pair<PyObject*, py::object>>& hooks, size_t begin, size_t end) {
   const auto& nm = names();
+  PyObject* last_module = nullptr;
+  py::object params;  // last_module's _parameters: a module's hooks are consecutive
+  Chain c[kGroup];
+  PyObject* obj[kGroup];
   for (size_t g0 = begin; g0 < end; g0 += kGroup) {
     const size_t g = std::min(kGroup, end - g0);
-    PyObject* obj[kGroup];
-    py::object param[kGroup], data[kGroup], info[kGroup];
     for (size_t b = 0; b < g; ++b) prefetch_object(obj[b] = hooks[g0 + b].second.ptr());
     for (size_t b = 0; b < g; ++b) {  // hooks -> closures
       if (!PyFunction_Check(obj[b])) return false;
@@ -140,29 +142,36 @@ bool all_judged_idle(const std::vector<std::pair<PyObject*, py::object>>& hooks,
     }
     for (size_t b = 0; b < g; ++b) __builtin_prefetch(obj[b] = PyTuple_GET_ITEM(obj[b], 0));  // -> cells
     for (size_t b = 0; b < g; ++b) {  // -> FSDPParams
-      obj[b] = PyCell_Check(obj[b]) ? PyCell_GET(obj[b]) : nullptr;
-      if (obj[b] == nullptr) return false;
-      prefetch_object(obj[b]);
+      PyObject* fp = PyCell_Check(obj[b]) ? PyCell_GET(obj[b]) : nullptr;
+      if (fp == nullptr || std::strcmp(Py_TYPE(fp)->tp_name, "FSDPParam") != 0) return false;
+      prefetch_object(c[b].fp = fp);
     }
-    for (size_t b = 0; b < g; ++b) {  // -> their parameters, padded storage and module info
-      param[b] = attr_or_empty(obj[b], nm.sharded_param);
-      data[b] = attr_or_empty(obj[b], nm.param_data);
-      info[b] = attr_or_empty(obj[b], nm.module_info);
-      if (!param[b] || !data[b] || !info[b]) return false;
-      prefetch_object(param[b].ptr());
-      prefetch_object(data[b].ptr());
-      prefetch_object(info[b].ptr());
+    for (size_t b = 0; b < g; ++b) {  // -> their parameters, padded storage, module info and pin flag
+      c[b].param = attr_or_empty(c[b].fp, nm.sharded_param);
+      c[b].data = attr_or_empty(c[b].fp, nm.param_data);
+      c[b].info = attr_or_empty(c[b].fp, nm.module_info);
+      c[b].pin = attr_or_empty(c[b].fp, nm.pin_memory);
+      if (!c[b].param || !c[b].data || !c[b].info || !c[b].pin) return false;
+      prefetch_object(c[b].param.ptr());
+      prefetch_object(c[b].data.ptr());
+      prefetch_object(c[b].info.ptr());
     }
-    for (size_t b = 0; b < g; ++b) {  // -> the TensorImpls and parameter names
-      py::object name = attr_or_empty(info[b].ptr(), nm.param_name);
-      if (name) __builtin_prefetch(name.ptr());  // its hash, for the module's _parameters
-      if (THPVariable_Check(data[b].ptr())) prefetch_impl(THPVariable_Unpack(data[b].ptr()).unsafeGetTensorImpl());
-      py::object local = attr_or_empty(param[b].ptr(), nm.local_tensor);
-      if (!local || !THPVariable_Check(local.ptr())) return false;
-      prefetch_impl(THPVariable_Unpack(local.ptr()).unsafeGetTensorImpl());
+    for (size_t b = 0; b < g; ++b) {  // -> the module, the parameter's name, the TensorImpls
+      c[b].owner = attr_or_empty(c[b].info.ptr(), nm.module);
+      c[b].pname = attr_or_empty(c[b].info.ptr(), nm.param_name);
+      c[b].local = attr_or_empty(c[b].param.ptr(), nm.local_tensor);
+      if (!c[b].owner || !c[b].pname || !c[b].local) return false;
+      __builtin_prefetch(c[b].pname.ptr());  // its hash, for the module's _parameters
+      if (THPVariable_Check(c[b].data.ptr())) prefetch_impl(THPVariable_Unpack(c[b].data.ptr()).unsafeGetTensorImpl());
+      if (THPVariable_Check(c[b].local.ptr())) prefetch_impl(THPVariable_Unpack(c[b].local.ptr()).unsafeGetTensorImpl());
     }
     for (size_t b = 0; b < g; ++b) {
-      if (!judge(hooks[g0 + b].first, hooks[g0 + b].second.ptr())) return false;
+      PyObject* m = hooks[g0 + b].first;
+      if (m != last_module) {
+        params = attr_or_empty(m, module_attrs().parameters);
+        last_module = m;
+      }
+      if (!idle(m, params.ptr(), hooks[g0 + b].second.ptr(), c[b])) return false;
     }
   }
   return true;
@@ -171,7 +180,8 @@ bool all_judged_idle(const std::vector<std::pair<PyObject*, py::object>>& hooks,
 }  // namespace
 
 bool idle_fsdp_hook(const py::handle& module, const py::handle& hook) {
-  return judge(module.ptr(), hook.ptr());
+  const std::vector<std::pair<PyObject*, py::object>> one{{module.ptr(), py::reinterpret_borrow<py::object>(hook)}};
+  return all_judged_idle(one, 0, 1);
 }
 
 HookJudgment::HookJudgment(const py::handle& model) {

@@ -360,6 +360,14 @@ def check_fsdp2(rank: int, ws: int) -> None:
     assert steps == [None] * first + [False] * (len(steps) - first), steps
     handle.remove()
     assert coalesced_bcast._C.post_hooks_idle(model)
+    # A shard moved within FSDP2's padded storage (the same storage, another first byte): its hook has work.
+    fp1 = next(f for f in (h.__closure__[0].cell_contents for _, h in hooks)
+               if f.sharded_param._local_tensor.size(0) > 1)
+    kept = fp1.sharded_param._local_tensor
+    fp1.sharded_param._local_tensor = kept[1:]
+    assert not coalesced_bcast._C.post_hooks_idle(model)
+    fp1.sharded_param._local_tensor = kept
+    assert coalesced_bcast._C.post_hooks_idle(model)
     for count in (1, 3, len(hooks)):
         steps = _judged_in_steps(model, count, len(hooks) // count + 2)
         assert steps[-1] is True and steps.index(True) == (len(hooks) - 1) // count, (count, steps)
