@@ -71,26 +71,26 @@ bool idle(PyObject* m, PyObject* params, PyObject* hook, const Chain& c) {
       !THPVariable_Check(c.local.ptr())) {
     return false;
   }
-  const at::Tensor& shard = THPVariable_Unpack(c.local.ptr());
-  const at::Tensor& padded = THPVariable_Unpack(c.data.ptr());
-  // The shard starts the padded storage: one StorageImpl, one first byte, read
-  // from the two TensorImpls (their data pointers would cost a cold line more
-  // each, the StorageImpl's: at 16k hooks a tenth of the judgment). An empty or
-  // meta shard is not judged idle.
-  if (!shard.has_storage() || !padded.has_storage() || shard.is_meta() || shard.numel() == 0) return false;
-  if (shard.storage().unsafeGetStorageImpl() != padded.storage().unsafeGetStorageImpl() ||
-      shard.storage_offset() * static_cast<int64_t>(shard.dtype().itemsize()) !=
-          padded.storage_offset() * static_cast<int64_t>(padded.dtype().itemsize())) {
-    return false;
-  }
   const int pinned = PyObject_IsTrue(c.pin.ptr());
   if (pinned < 0) {
     PyErr_Clear();
     return false;
   }
   try {
+    const at::Tensor& shard = THPVariable_Unpack(c.local.ptr());
+    const at::Tensor& padded = THPVariable_Unpack(c.data.ptr());
+    // The shard starts the padded storage: one StorageImpl, one first byte, read
+    // from the two TensorImpls (their data pointers would cost a cold line more
+    // each, the StorageImpl's: at 16k hooks a tenth of the judgment). An empty or
+    // meta shard is not judged idle.
+    if (!shard.has_storage() || !padded.has_storage() || shard.is_meta() || shard.numel() == 0) return false;
+    if (shard.storage().unsafeGetStorageImpl() != padded.storage().unsafeGetStorageImpl() ||
+        shard.storage_offset() * static_cast<int64_t>(shard.dtype().itemsize()) !=
+            padded.storage_offset() * static_cast<int64_t>(padded.dtype().itemsize())) {
+      return false;
+    }
     return !(pinned && !pinned_host(shard));  // where FSDP2 pins, its shard is torch's pinned memory
-  } catch (const std::exception&) {  // a tensor without data this build can read
+  } catch (const std::exception&) {  // a tensor this build cannot read so (symbolic sizes, no data)
     return false;
   }
 }
