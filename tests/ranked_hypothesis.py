@@ -1,7 +1,13 @@
 """Hypothesis over the ranks of one process group: rank 0 draws each example and sends it to the others
 (broadcast_object_list); every rank runs it and the verdict is their minimum (all_reduce MIN), so that
 hypothesis on rank 0 sees a failure on any rank and can shrink it. A final message tells the others to stop,
-and whether rank 0 failed."""
+and whether rank 0 failed.
+
+CI draws the same examples every run (derandomized). A longer hunt draws others: COALESCED_BCAST_TEST_SEED=N
+seeds the draw with N, and COALESCED_BCAST_TEST_EXAMPLES=X runs X times each test's count of examples:
+
+    COALESCED_BCAST_TEST_SEED=7 COALESCED_BCAST_TEST_EXAMPLES=5 pytest tests -k hypothesis
+"""
 from __future__ import annotations
 
 import os
@@ -10,7 +16,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, example, given, seed, settings
 
 
 class _Stop:
@@ -42,6 +48,8 @@ def examples_on_ranks(rank: int, strategy: Any, run: Callable[[Any], bool], exam
                 return
             verdict(box[0])
     count = [0]
+    hunt_seed = os.environ.get("COALESCED_BCAST_TEST_SEED")
+    examples = max(examples, round(examples * float(os.environ.get("COALESCED_BCAST_TEST_EXAMPLES", "1"))))
 
     def check(spec):
         count[0] += 1
@@ -51,8 +59,10 @@ def examples_on_ranks(rank: int, strategy: Any, run: Callable[[Any], bool], exam
     check = given(spec=strategy)(check)
     for spec in explicit:
         check = example(spec=spec)(check)
-    check = settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+    check = settings(max_examples=examples, deadline=None, database=None, derandomize=hunt_seed is None,
                      suppress_health_check=list(HealthCheck))(check)
+    if hunt_seed is not None:
+        check = seed(int(hunt_seed))(check)
     try:
         check()
     except BaseException as e:
