@@ -37,7 +37,9 @@ std::vector<Unit> read_units(const at::Tensor& units, int64_t whole_in) {
     x.nbytes = x.numel * x.elem_size;
     // Every tensor starts on a 16-byte boundary: packed runs are whole words.
     x.offset = x.nbytes > 0 ? align_up(offset, kAlign) : offset;
-    if (whole_in > 0 && x.nbytes <= whole_in && x.offset / whole_in != (x.offset + x.nbytes - 1) / whole_in) {
+    // An empty unit crosses nothing: moving one that sits on a multiple would open a bucket of 0 bytes.
+    if (whole_in > 0 && x.nbytes > 0 && x.nbytes <= whole_in &&
+        x.offset / whole_in != (x.offset + x.nbytes - 1) / whole_in) {
       x.offset = (x.offset / whole_in + 1) * whole_in;
     }
     offset = x.offset + x.nbytes;

@@ -283,6 +283,18 @@ def _body(rank, world_size, out_dir, examples):
                            placement="S", skip=False)],
              seed=1, sender=1, bucket_bytes=4096 + 16, ring_depth=1, sender_depth=3, callback=True,
              realloc="trainer0", realloc_entry=0),
+        # (found with COALESCED_BCAST_TEST_SEED=23) 256 + 16 (4 bytes, padded) + 3,840 bytes fill the 4,112-byte
+        # bucket; the empty tensor after them opened a bucket of 0 bytes, which the engine refused
+        dict(entries=[dict(shape=(16,), dtype=torch.complex128, wire=torch.complex128, engine=torch.complex128,
+                           placement="P", skip=False),
+                      dict(shape=(2,), dtype=torch.float64, wire=torch.bfloat16, engine=torch.float64,
+                           placement="P", skip=True),
+                      dict(shape=(8, 3, 20), dtype=torch.float16, wire=torch.float64, engine=torch.float16,
+                           placement="S", skip=False),
+                      dict(shape=(0, 3), dtype=torch.float8_e4m3fn, wire=torch.float8_e4m3fn,
+                           engine=torch.float8_e4m3fn, placement="R", skip=False)],
+             seed=9509166, sender=0, bucket_bytes=4112, ring_depth=3, sender_depth=2, callback=False,
+             realloc=None, realloc_entry=0),
     ]
     examples_on_ranks(rank, specs(), lambda spec: run_example(rank, spec, groups), examples, out_dir, explicit)
     dist.barrier()

@@ -88,6 +88,29 @@ def test_a_rank_whose_rows_do_not_match_is_refused_naming_the_tensor():
         _C.refit_plan(units, [torch.zeros(4, 3)], [1], 1, 2, 0, 4096, 2, 1, torch.device("cpu"), ["w"])
 
 
+def test_an_empty_tensor_on_a_bucket_boundary_opens_no_bucket():
+    """A refit keeps every tensor that fits in a bucket whole in one; an empty one, after a tensor that ends
+    exactly on a bucket's end, crosses nothing and stays there. (Moved to the next multiple, it opened a
+    bucket of 0 bytes that every receiver's plan refused: found by a seeded hypothesis hunt.)"""
+    B = 4096
+    shapes = [((16,), torch.float64), ((496,), torch.float64), ((0, 3), torch.float32), ((), torch.int8)]
+    units = torch.zeros((len(shapes), 10), dtype=torch.int64)
+    for i, (shape, dtype) in enumerate(shapes):
+        units[i, 0], units[i, 1] = _dtype_code(dtype), len(shape)
+        units[i, 2:2 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+    # (16 + 496) x 8 bytes fill one bucket exactly; the int8 after the empty tensor starts a second
+    for end, want in ((2, 1), (3, 1), (4, 2)):
+        u = units[:end]
+        load = _C.load_plan(u, [], [], torch.zeros((0, 9), dtype=torch.int64), B, 2, 0, 1, torch.device("cpu"),
+                            whole_units=True)
+        assert load.num_buckets == want, (end, load.num_buckets)
+        assert sorted(set(_C.bucket_units(u, B, True)[:, 0].tolist())) == list(range(want))
+        locals_ = [torch.zeros(s, dtype=d) for s, d in shapes[:end]]
+        sender = _C.refit_plan(u, locals_, [0] * end, 0, 1, 0, B, 2, 0, torch.device("cpu"),
+                               [f"t{i}" for i in range(end)])
+        assert sender.num_buckets == want
+
+
 def test_a_load_plan_checks_its_destinations_only_when_kept():
     """A one-shot load's plan does not take its destinations' keys (a pass over every tensor that only a kept
     plan needs); asked to check them anyway, it refuses rather than find nothing changed."""
