@@ -69,7 +69,7 @@ for s in $steps; do
     # gpusingle, loadcalls: what the one-GPU kind (nvidia-h200) can run: the tests that need one GPU, and where a
     # 16k-key FSDP2 load's host time goes on a 1-rank mesh (bench/load_calls.py).
     gpusingle) step gpusingle 400 $PY -m pytest -q -s tests/test_gpu_single.py tests/test_copy_buckets.py \
-        tests/test_module_walk.py tests/test_host_stage.py ;;
+        tests/test_module_walk.py tests/test_host_stage.py tests/test_refit_tables.py ;;
     loadcalls) step loadcalls 200 $PY -m torch.distributed.run --standalone --nproc-per-node 1 bench/load_calls.py ;;
     # hostread: how small pinned runs go up: bench/perf/h2d_small.cu (a copy each, one batch, a kernel reading
     # over the bus), then a 16k-key load (load_calls.py, host_read_probe.py) with each of the engine's ways
