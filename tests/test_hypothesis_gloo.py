@@ -30,7 +30,9 @@ def specs(draw):
             kind = "strided"
         entries.append((kind, draw(st.integers(0, len(DTYPES) - 1)), shape, draw(st.integers(0, 1 << 30))))
     options = dict(
-        bucket_bytes=draw(st.sampled_from([4096, 8192, 65536])),
+        # Odd multiples of 16 too: tensors then end on and straddle bucket ends at other places.
+        bucket_bytes=draw(st.one_of(st.sampled_from([4096, 8192, 65536]),
+                                    st.integers(256, 1024).map(lambda n: 16 * n))),
         ring_depth=draw(st.integers(1, 4)),
         inplace_min_bytes=draw(st.sampled_from([0, 64, 2048, 1 << 40])),
         coalesce_bytes=draw(st.sampled_from([0, 4096, 1 << 20])),
