@@ -31,7 +31,13 @@ def examples_on_ranks(rank: int, strategy: Any, run: Callable[[Any], bool], exam
     """run(spec) on every rank for `examples` specs drawn from `strategy` (derandomized; `explicit` ones too);
     rank 0 raises on the first spec that some rank fails, and writes the count it ran to out_dir/count."""
     def verdict(spec) -> bool:
-        v = torch.tensor([int(run(spec))])
+        try:
+            ok = run(spec)
+        except BaseException:
+            # A rank that raises takes its group down before hypothesis can shrink or report: say what it ran.
+            print(f"rank {rank} raised on this example: {spec!r}", flush=True)
+            raise
+        v = torch.tensor([int(ok)])
         dist.all_reduce(v, op=dist.ReduceOp.MIN)
         return v.item() == 1
 
