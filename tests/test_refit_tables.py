@@ -25,6 +25,15 @@ def _state(gen):
     return out
 
 
+def _units(shapes) -> torch.Tensor:
+    """The stream's units table (dtype code, dims, sizes) of (shape, wire dtype) pairs."""
+    units = torch.zeros((len(shapes), 10), dtype=torch.int64)
+    for i, (shape, dtype) in enumerate(shapes):
+        units[i, 0], units[i, 1] = _dtype_code(dtype), len(shape)
+        units[i, 2:2 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+    return units
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("world,sender", [(1, 0), (2, 0), (2, 1), (3, 2)])
 def test_packs_and_permutes_rebuild_the_stream(device, world, sender):
@@ -34,10 +43,7 @@ def test_packs_and_permutes_rebuild_the_stream(device, world, sender):
     wire = [torch.bfloat16 if t.is_floating_point() and t.dtype == torch.float32 else t.dtype for t in full]
     # 0-dim and bool tensors are held whole by the sender (mode 0); the rest are split by rows.
     modes = [0 if t.dim() == 0 or t.dtype == torch.bool else 1 for t in full]
-    units = torch.zeros((len(full), 10), dtype=torch.int64)
-    for i, (t, w) in enumerate(zip(full, wire)):
-        units[i, 0], units[i, 1] = _dtype_code(w), t.dim()
-        units[i, 2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    units = _units([(t.shape, w) for t, w in zip(full, wire)])
     B = 4096
     plans, held = [], []  # the plans point into the local tensors: keep them
     for r in range(world):
@@ -94,10 +100,7 @@ def test_an_empty_tensor_on_a_bucket_boundary_opens_no_bucket():
     bucket of 0 bytes that every receiver's plan refused: found by a seeded hypothesis hunt.)"""
     B = 4096
     shapes = [((16,), torch.float64), ((496,), torch.float64), ((0, 3), torch.float32), ((), torch.int8)]
-    units = torch.zeros((len(shapes), 10), dtype=torch.int64)
-    for i, (shape, dtype) in enumerate(shapes):
-        units[i, 0], units[i, 1] = _dtype_code(dtype), len(shape)
-        units[i, 2:2 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+    units = _units(shapes)
     # (16 + 496) x 8 bytes fill one bucket exactly; the int8 after the empty tensor starts a second
     for end, want in ((2, 1), (3, 1), (4, 2)):
         u = units[:end]
