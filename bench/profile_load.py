@@ -69,7 +69,8 @@ def main():
 
 
 # host_reads_wait: the source waits for its copies of host memory, after the post-hooks ran beside them.
-PHASES = ["_model_device", "_describe_source", "_broadcast_meta", "_plan_local", "_agree", "_transfer",
+# _prepare: the ring made and the source's first buckets packed, before the agreement.
+PHASES = ["_model_device", "_describe_source", "_broadcast_meta", "_plan_local", "_prepare", "_agree", "_transfer",
           "_run_post_hooks", "host_reads_wait"]
 
 
@@ -77,7 +78,7 @@ PHASES = ["_model_device", "_describe_source", "_broadcast_meta", "_plan_local",
 def _wrapped(names, around):
     """Inside: each of state_dict.py's functions `names` runs as around(name, call) runs it."""
     from coalesced_bcast import state_dict as S
-    originals = {name: getattr(S, name) for name in names}
+    originals = {name: getattr(S, name) for name in names if hasattr(S, name)}  # (an older tree may lack some)
 
     def wrap(name, fn):
         return lambda *a, **kw: around(name, lambda: fn(*a, **kw))
