@@ -640,8 +640,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "the first buckets broadcast ring slot to ring slot, before the agreement (every rank must): how many")
       .def_readonly("sent", &PreparedRun::sent)
       .def_readonly("packed", &PreparedRun::packed)
+      .def_readonly("prepacked", &PreparedRun::prepacked, "of packed, the buckets taken from a Prepack")
       .def_property_readonly(
           "ring", [](const PreparedRun& run) { return run.arena; }, "the ring and copy table, one byte tensor");
+  py::class_<Prepack>(m, "Prepack",
+                      "A load source's first buckets packed into a ring from the checkpoint's host memory while it "
+                      "still plans (csrc/prepack.cpp), for Plan.prepare(early=); dropped unused, it waits for its "
+                      "copies and frees its ring")
+      .def_property_readonly("packed", [](const Prepack& p) { return p.run ? p.run->packed : 0; });
+  m.def(
+      "prepack_load",
+      [](const at::Tensor& table, const py::object& sources, int64_t bucket_bytes, int64_t ring_depth, int64_t rank,
+         int64_t copy_threads, c10::Device device) -> std::unique_ptr<Prepack> {
+        if (!py::isinstance<TensorList>(sources)) return nullptr;
+        const auto& list = sources.cast<TensorList&>().tensors;  // read, not taken: the plan takes them later
+        auto o = load_options(bucket_bytes, ring_depth, rank, device, /*whole_units=*/false);
+        o.copy_threads = copy_threads;
+        py::gil_scoped_release release;
+        return prepack_load(table, list, o);
+      },
+      py::arg("table"), py::arg("sources"), py::arg("bucket_bytes"), py::arg("ring_depth"), py::arg("rank"),
+      py::arg("copy_threads"), py::arg("device"),
+      "The source's first buckets packed before its load plan is made (a Prepack), or None where there is nothing "
+      "to win (a CPU load, sources on the device)");
   py::class_<Plan>(m, "Plan")
       .def(py::init(&build_plan), py::arg("tensors"), py::arg("names"), py::arg("bucket_bytes"),
            py::arg("ring_depth"), py::arg("inplace_min_bytes"), py::arg("coalesce_bytes"), py::arg("rank"),
@@ -704,13 +725,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("layout_generation", &Plan::layout_generation, "bumped each time the buckets are laid out")
       .def(
           "prepare",
-          [](const Plan& plan, bool is_src, bool pack, std::optional<at::Tensor> ring) {
+          [](const Plan& plan, bool is_src, bool pack, std::optional<at::Tensor> ring, Prepack* early) {
             py::gil_scoped_release release;
-            return std::make_unique<PreparedRun>(plan, is_src, pack, ring.value_or(at::Tensor()));
+            return std::make_unique<PreparedRun>(plan, is_src, pack, ring.value_or(at::Tensor()), early);
           },
-          py::arg("is_src"), py::arg("pack") = true, py::arg("ring") = py::none(), py::keep_alive<0, 1>(),
+          py::arg("is_src"), py::arg("pack") = true, py::arg("ring") = py::none(), py::arg("early") = nullptr,
+          py::keep_alive<0, 1>(),
           "the ring made (and on the source the first buckets packed unless not pack) before the agreement: for "
-          "broadcast(). ring: one kept from an earlier run of this plan (PreparedRun.ring), not allocated anew")
+          "broadcast(). ring: one kept from an earlier run of this plan (PreparedRun.ring), not allocated anew. "
+          "early: a load source's Prepack, its ring taken where it packed these buckets as this plan does, and "
+          "used up either way")
       .def(
           "broadcast",
           [](const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t src, double timeout_s,

@@ -77,6 +77,25 @@ at::Tensor make_arena(const Plan& plan, Executor& exec, const at::Tensor& kept =
   return arena;
 }
 
+// Host reads of two runs, waited for together (a load's, and its Prepack's, which ran before on the same lane).
+class JoinedHostReads final : public HostReads {
+ public:
+  JoinedHostReads(std::shared_ptr<HostReads> a, std::shared_ptr<HostReads> b) : a_(std::move(a)), b_(std::move(b)) {}
+  void wait() override {
+    a_->wait();
+    b_->wait();
+  }
+
+ private:
+  std::shared_ptr<HostReads> a_, b_;
+};
+
+std::shared_ptr<HostReads> joined(std::shared_ptr<HostReads> a, std::shared_ptr<HostReads> b) {
+  if (!a) return b;
+  if (!b) return a;
+  return std::make_shared<JoinedHostReads>(std::move(a), std::move(b));
+}
+
 // Memory that a broadcast still running may write: kept until the process ends.
 void leak(const at::Tensor& t) {
   static auto* kept = new std::vector<at::Tensor>();
@@ -111,16 +130,41 @@ bool can_prepare(const Plan& plan) {
       plan.direct_buckets < static_cast<int64_t>(plan.buckets.size());
 }
 
-PreparedRun::PreparedRun(const Plan& p, bool src, bool pack, at::Tensor ring)
+PreparedRun::PreparedRun(const Plan& p, bool src, bool pack, at::Tensor ring, Prepack* early)
     : plan(&p), generation(p.layout_generation), is_src(src), device(p.device) {
   TORCH_CHECK(can_prepare(p), "a run is prepared only for a sync's or a load's plan with buckets through the ring");
   c10::DeviceGuard device_guard(device);
   at::NoGradGuard no_grad;
+  const int64_t n = std::min<int64_t>(p.ring_slots, static_cast<int64_t>(p.buckets.size()));
+  at::Tensor early_ring;  // a Prepack's ring, holding this plan's buckets [0, n)
+  if (early != nullptr && early->run) {
+    if (src && pack && !ring.defined() && p.is_load && packs_match(p, *early->plan, n)) {
+      early_ring = early->run->arena.narrow(0, 0, p.ring_slots * p.slot_bytes);
+      // Its copies may still run (a busy copy lane, slow host memory): ended without a host wait, this
+      // run waits for them with its own, which come after them on the same lane.
+      auto taken = std::move(early->run->exec);
+      early_host_bytes = taken->host_bytes();
+      early_reads = taken->end_leaving_host_reads();
+    }
+    // Not taken: its end orders the caller's stream after its packs and waits for their reads of host memory.
+    // Either way gone before this run's ring is made: never two rings at once.
+    early->run.reset();
+  }
   exec = make_executor(p);
   exec->begin();
   try {
+    if (early_ring.defined()) {
+      // Its packs ran on the copy lane, this executor's: each slot's event, recorded there after them,
+      // is what the first broadcasts wait for.
+      arena = early_ring;
+      exec->hold(arena);
+      table = at::empty({exec->table_bytes()}, at::TensorOptions().dtype(at::kByte).device(device));
+      exec->set_table(table, /*uploaded=*/false);
+      for (int64_t k = 0; k < n; ++k) exec->signal(Lane::kCopy, k % p.ring_slots);
+      packed = prepacked = n;
+      return;
+    }
     arena = make_arena(p, *exec, ring);
-    const int64_t n = std::min<int64_t>(p.ring_slots, static_cast<int64_t>(p.buckets.size()));
     for (int64_t k = 0; is_src && pack && k < n; ++k) {
       if (p.buckets[k].direct_tensor >= 0) continue;
       exec->wait(Lane::kCopy, k % p.ring_slots);
@@ -130,8 +174,20 @@ PreparedRun::PreparedRun(const Plan& p, bool src, bool pack, at::Tensor ring)
     packed = is_src && pack ? n : 0;
   } catch (...) {
     exec->end(/*unwinding=*/true);
+    wait_early_reads();
     throw;
   }
+}
+
+void PreparedRun::wait_early_reads() noexcept {
+  // A Prepack's copies read the checkpoint: a run dropped unused is done with it, as end() is with its own
+  // (past the deadline the handle keeps what they read instead).
+  if (!early_reads) return;
+  try {
+    early_reads->wait();
+  } catch (...) {
+  }
+  early_reads.reset();
 }
 
 int64_t PreparedRun::speculate(
@@ -183,6 +239,7 @@ PreparedRun::~PreparedRun() {
     exec->end(/*unwinding=*/true);
   } catch (...) {  // a destructor does not throw: what end() would report, the run that failed has
   }
+  wait_early_reads();
 }
 
 RunStats broadcast_plan(
@@ -293,6 +350,9 @@ RunStats broadcast_plan(
 
   std::unique_ptr<Executor> exec;
   at::Tensor arena;
+  at::Tensor table;
+  std::shared_ptr<HostReads> early_reads;
+  int64_t early_host_bytes = 0;
   int64_t prepacked = 0;  // the source's buckets packed before the agreement
   int64_t present = 0;    // buckets broadcast before it (speculate)
   std::vector<c10::intrusive_ptr<c10d::Work>> early_works;
@@ -307,6 +367,9 @@ RunStats broadcast_plan(
                 ": its slots hold no data, the agreement must have dropped this run");
     exec = std::move(prepared->exec);
     arena = prepared->arena;  // a copy: a kept ring stays the caller's
+    table = prepared->table;  // where the ring came from a Prepack, its own: held to the end of the run
+    early_reads = std::move(prepared->early_reads);
+    early_host_bytes = prepared->early_host_bytes;
     prepacked = prepared->packed;
     present = prepared->sent;
     early_works = std::move(prepared->works);
@@ -327,7 +390,7 @@ RunStats broadcast_plan(
       send_inplace();
     }
     if (!arena.defined()) arena = make_arena(plan, *exec);
-    stats.ring_bytes = arena.numel();
+    stats.ring_bytes = arena.numel() + (table.defined() ? table.numel() : 0);
     for (int64_t k = 0; k < static_cast<int64_t>(plan.buckets.size()); ++k) {
       const int64_t s = k % plan.ring_slots;
       // A direct bucket is broadcast from or into the tensors' own memory: no slot, no pack or unpack.
@@ -381,11 +444,12 @@ RunStats broadcast_plan(
     }
     throw;
   }
-  stats.host_ring_bytes = exec->host_bytes();
+  stats.host_ring_bytes = exec->host_bytes() + early_host_bytes;
   if (leave_host_reads) {
-    stats.host_reads = exec->end_leaving_host_reads();
+    stats.host_reads = joined(exec->end_leaving_host_reads(), std::move(early_reads));
   } else {
     exec->end();
+    if (early_reads) early_reads->wait();  // queued before this run's copies, which end() waited for
   }
   finish(plan, is_src, stats, t0);
   return stats;

@@ -68,8 +68,12 @@ class Executor;  // executor.h
 // kept from it (`ring`: nothing to allocate, so nothing to fail), and a
 // source whose tensors changed sends its slots unpacked (`pack` false) and
 // says so in the agreement, which then has every rank drop what was sent.
+struct Prepack;
+
 struct PreparedRun {
-  PreparedRun(const Plan& plan, bool is_src, bool pack = true, at::Tensor ring = {});
+  // early: a Prepack of this load's source (prepack_load): its ring taken where it packed this plan's first
+  // buckets as this plan would (packs_match), else dropped before this run's ring is made; either way used up.
+  PreparedRun(const Plan& plan, bool is_src, bool pack = true, at::Tensor ring = {}, Prepack* early = nullptr);
   ~PreparedRun();
   PreparedRun(const PreparedRun&) = delete;
   PreparedRun& operator=(const PreparedRun&) = delete;
@@ -77,6 +81,8 @@ struct PreparedRun {
   // Broadcasts buckets [0, n) slot to slot: n, the first buckets up to one per
   // slot and up to the first direct one (those are the caller's memory).
   int64_t speculate(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t src, std::chrono::milliseconds timeout);
+  // Waits for early_reads, if any, and lets them go (a run dropped unused, or failing as it is made).
+  void wait_early_reads() noexcept;
 
   const Plan* plan;
   int64_t generation;  // the plan's layout_generation when made
@@ -84,12 +90,38 @@ struct PreparedRun {
   c10::Device device;
   std::unique_ptr<Executor> exec;  // null once taken
   at::Tensor arena;
+  at::Tensor table;    // the copy table, where the ring came from a Prepack (an allocation of its own)
+  // That Prepack's copies of host memory, left running (no host wait when taken): done before this run's own,
+  // on the same copy lane, and waited for with them. And the pinned host bytes it staged through.
+  std::shared_ptr<HostReads> early_reads;
+  int64_t early_host_bytes = 0;
   int64_t packed = 0;  // the source's buckets [0, packed) are in their slots (direct ones need none)
+  int64_t prepacked = 0;  // of those, the buckets a Prepack packed
   int64_t sent = 0;    // buckets [0, sent) broadcast by speculate()
   // speculate()'s broadcasts on CPU (gloo runs them on its threads): waited for before their unpack.
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::chrono::milliseconds work_timeout{0};  // theirs (0: the group's)
 };
+
+// A load's source, before its plan is made (prepack.cpp): the plan of the
+// units that its first ring_depth buckets hold (pack runs only, no
+// destinations) and its PreparedRun, those buckets packed into its ring from
+// the checkpoint's host memory.
+struct Prepack {
+  std::unique_ptr<Plan> plan;
+  std::unique_ptr<PreparedRun> run;  // null once taken or dropped
+};
+
+// The Prepack of a load's source, from its metadata table and its tensors (one per row, in the table's
+// order); null where there is nothing to win (a CPU load, sources on the device) or it cannot be made.
+std::unique_ptr<Prepack> prepack_load(
+    const at::Tensor& table,
+    const std::vector<at::Tensor>& sources,
+    const LoadOptions& options);
+
+// Whether `early` packs buckets [0, n) into the same ring slots with the same
+// runs (the same bytes of the same memory, the same strides) as `plan`.
+bool packs_match(const Plan& plan, const Plan& early, int64_t n);
 
 // Bucket k's ring slot in `arena` (the ring's slots first, slot_bytes each).
 inline at::Tensor slot_of(const Plan& plan, const at::Tensor& arena, int64_t k) {

@@ -216,7 +216,9 @@ def _hooks_beside_copies_body(rank, world_size):
         torch.cuda._sleep(2_000_000_000)
     coalesced_bcast.load_full_state_dict(model, sd)
     assert seen == [False], f"the post-hook ran after the copies were done ({seen}): the host waited for them first"
-    assert lane.query(), "the load returned before the copies of the source's host memory were done"
+    if os.environ.get("COALESCED_BCAST_PREPACK") != "1":  # (a prepack's lane also holds the load's table upload,
+        # queued after the copies it waits for): below, the sources overwritten at once tell the same for both
+        assert lane.query(), "the load returned before the copies of the source's host memory were done"
     for v in sd.values():
         v.fill_(0)
     torch.cuda.synchronize()
@@ -224,9 +226,12 @@ def _hooks_beside_copies_body(rank, world_size):
         assert torch.equal(getattr(model, k), v), f"'{k}' differs"
 
 
-def test_load_post_hooks_run_while_the_host_copies_do():
+@pytest.mark.parametrize("prepack", [None, "1"], ids=["plain", "prepack"])
+def test_load_post_hooks_run_while_the_host_copies_do(prepack, monkeypatch):
     """The source's host does the load's post-hooks while its copies of host memory are still running, and
-    waits for those copies before it returns."""
+    waits for those copies before it returns; with a prepack too, whose copies queue behind the busy lane."""
+    if prepack:
+        monkeypatch.setenv("COALESCED_BCAST_PREPACK", prepack)
     run_ranks(1, _hooks_beside_copies_body, backend="nccl", timeout=200)
 
 
@@ -248,8 +253,8 @@ def _dropped_prepared_body(rank, world_size, pinned):
     base = torch.cuda.memory_allocated(dev)
     prepare, agree, made = coalesced_bcast._C.Plan.prepare, load_module._agree, []
 
-    def recorded(plan, is_src):
-        made.append(prepare(plan, is_src))
+    def recorded(plan, is_src, **options):
+        made.append(prepare(plan, is_src, **options))
         return made[-1]
 
     def refused(*args):
@@ -280,6 +285,47 @@ def test_load_prepared_before_its_agreement_is_dropped_clean(pinned):
     """A load's source packs its first buckets from host memory before the agreement; refused there, that run
     is dropped: the model unwritten, the ring freed, the source's memory no longer read, the next load bitwise."""
     run_ranks(1, _dropped_prepared_body, pinned, backend="nccl", timeout=200)
+
+
+def _prepack_body(rank, world_size):
+    dev = torch.device("cuda", 0)
+    g = torch.Generator(device=dev).manual_seed(23)
+    # 1 MiB buckets: large runs (the copy engine's), small ones (the copy kernel's), a strided pinned tensor
+    # (read element by element), tensors across bucket ends; the first two buckets are the prepack's.
+    shapes = [(700 << 10,), (1000, 3)] + [(5000 + 16 * i,) for i in range(40)] + [(2 << 20,), (333, 77)]
+    full = {f"w{i}": torch.randint(-2**15, 2**15, s, dtype=torch.int16, device=dev, generator=g)
+            for i, s in enumerate(shapes)}
+    model = nn.Module()
+    for k, v in full.items():
+        model.register_parameter(k, nn.Parameter(torch.zeros_like(v), requires_grad=False))
+    pinned = {k: v.cpu().pin_memory() for k, v in full.items()}
+    pinned["w1"] = full["w1"].cpu().t().contiguous().t().pin_memory()  # strided, in bucket 0
+    assert not pinned["w1"].is_contiguous()
+    pageable = {k: v.cpu() for k, v in full.items()}  # the first buckets staged by the host's threads
+    reordered = dict(reversed(list(pinned.items())))  # the stream follows the model's order: not the table's
+    for sd, want, switch in ((pinned, 2, "1"), (pageable, 2, "1"), (reordered, 0, "1"), (pinned, 0, None)):
+        for _ in range(2):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+            stats = _load_zeroed(model, sd, "COALESCED_BCAST_PREPACK", switch, bucket_bytes=1 << 20)
+            torch.cuda.synchronize()
+            extra = torch.cuda.max_memory_allocated(dev) - base
+            for k, v in full.items():
+                assert torch.equal(model.get_parameter(k), v), (k, want, switch)
+            assert stats.buckets > 4 and stats.prepacked_buckets == want, (stats, want, switch)
+            assert (stats.host_ring_bytes > 0) == (sd is pageable), stats  # a prepack's staging counted too
+            # the ring (2 x 1 MiB) and its tables: a prepack's ring is the load's, never a second one beside it
+            assert extra < 2 * (2 << 20), (extra, stats)
+            assert torch.cuda.memory_allocated(dev) == base, "the ring outlived the load"
+
+
+def test_load_source_packs_its_first_buckets_while_it_plans():
+    """With COALESCED_BCAST_PREPACK=1 a load's source reads its first buckets from pinned or pageable host memory
+    into its ring before its plan is made (csrc/prepack.cpp); the load's ring is that one where the plan packs them
+    the same way, and where it does not (the model's keys in another order than the checkpoint's) it is dropped
+    before the load makes its own: bitwise either way, one ring at a time; unset, nothing is prepacked."""
+    run_ranks(1, _prepack_body, backend="nccl", timeout=200)
 
 
 def _wrong_device_source_body(rank, world_size, early):

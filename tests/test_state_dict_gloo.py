@@ -684,12 +684,12 @@ def _ring_refused_body(rank: int, ws: int) -> None:
     prepare = coalesced_bcast._C.Plan.prepare
     made = []
     if rank == 1:
-        def no_memory(plan, is_src):
+        def no_memory(plan, is_src, **options):
             raise torch.OutOfMemoryError("out of memory. Tried to allocate 8.00 KiB (a test's refusal)")
         coalesced_bcast._C.Plan.prepare = no_memory
     else:
-        def recorded(plan, is_src):
-            made.append(prepare(plan, is_src))
+        def recorded(plan, is_src, **options):
+            made.append(prepare(plan, is_src, **options))
             return made[-1]
         coalesced_bcast._C.Plan.prepare = recorded
     before = snapshot(model)

@@ -70,6 +70,8 @@ class LoadStats:
     # buckets this rank received straight into its tensors (no slot, no copy): their bytes lie back to
     # back there in the checkpoint's dtype (whole tensors spanning buckets, or a model in one buffer)
     direct_buckets: int = 0
+    # the source's first buckets, read from the checkpoint's host memory into its ring while it planned
+    prepacked_buckets: int = 0
 
 
 #: A load's ring slot. Half a sync's: a load's bytes all go through the ring (each rank writes its own
@@ -170,13 +172,15 @@ def load_full_state_dict(
             except Exception as e:  # the others are already waiting for the metadata: tell them
                 meta, src_tensors = dict(fatal=f"rank {rank}: {type(e).__name__}: {e}"), None
         early = None
+        prepack = _prepack(meta, src_tensors, device, bucket_bytes, ring_depth, rank, copy_threads) if is_src else None
         meta, unreadable = _broadcast_meta(meta, pg, src_g, ctrl, rank)
         if meta["fatal"]:
             raise LoadStateDictError(f"load_full_state_dict: source rank {src} refused, so no rank loaded "
                                      f"anything: {meta['fatal']}")
         plan = _plan_local(model, model_sd, model_keys, extra_mods, owned, meta, src_tensors, strict, device, rank,
                            error or unreadable, bucket_bytes, ring_depth, copy_threads)
-        _prepare(plan, model, is_src, rank, bucket_bytes)
+        _prepare(plan, model, is_src, rank, bucket_bytes, prepack)
+        prepack = None  # taken by the ring, or its own freed before the transfer makes one
         try:
             strict_after_hooks = _agree(plan, pg, src_g, ctrl, rank)
         except BaseException:
@@ -207,7 +211,7 @@ def load_full_state_dict(
         keys=plan.num_keys, tensors=tensors, bytes=nbytes, buckets=buckets,
         cast_keys=plan.cast_keys, missing_keys=tuple(plan.missing), unexpected_keys=tuple(plan.unexpected),
         ring_bytes=plan.ring_bytes, host_ring_bytes=plan.host_ring_bytes, seconds=time.perf_counter() - t0,
-        direct_buckets=direct)
+        direct_buckets=direct, prepacked_buckets=plan.prepacked)
     if is_src:
         logger.info("load_full_state_dict: loaded %d keys (%d tensors, %.3f GiB, %d buckets, %d cast) in %.3f s, "
                     "%.2f GB/s", stats.keys, stats.tensors, stats.bytes / 2**30, stats.buckets, stats.cast_keys,
@@ -624,6 +628,7 @@ class _Plan:
         self.core = None  # the engine's plan (_C.start_load_plan(...).result())
         self.hooks: Any = None  # a _C.HookJudgment of the post-hooks, begun while the plan was made
         self.prepared: Any = None  # the engine's ring made before the agreement (_prepare), for the transfer
+        self.prepacked = 0  # of its buckets, those packed while the source planned (_prepack)
         self.ring_bytes = 0
         self.host_ring_bytes = 0
 
@@ -646,16 +651,44 @@ def _plan_local(model: nn.Module, model_sd: Optional[Mapping[str, Any]], model_k
     return plan
 
 
-def _prepare(plan: _Plan, model: nn.Module, is_src: bool, rank: int, bucket_bytes: int) -> None:
+def _prepack(meta: Optional[dict], src_tensors: Any, device: torch.device, bucket_bytes: int, ring_depth: int,
+             rank: int, copy_threads: Optional[int]) -> Any:
+    """The source's first buckets (one per ring slot) read from the checkpoint's host memory into a ring while
+    it still plans (csrc/prepack.cpp): on a GPU the copy up the bus is the load's slowest leg, and those buckets'
+    copies need only the metadata table and the tensors. A _C.Prepack for _prepare, or None: nothing to win (a
+    CPU model, sources on the GPU), or it could not be made (out of memory: the ring made with the plan says so
+    in the agreement)."""
+    # Opt-in (COALESCED_BCAST_PREPACK=1, read per load) until its GPU tests have passed on the code as it is:
+    # bench/results/h100x1_2026-12-06g.txt.
+    if (not _PREPARE or os.environ.get("COALESCED_BCAST_PREPACK") != "1" or device.type != "cuda" or meta is None
+            or meta["fatal"] or meta["table"] is None or not isinstance(src_tensors, _C.TensorList)):
+        return None
+    try:
+        return _C.prepack_load(meta["table"], src_tensors, bucket_bytes, ring_depth, rank,
+                               _copy_threads(copy_threads), device)
+    except Exception as e:
+        logger.debug("load_full_state_dict: no prepack on rank %d: %s", rank, e)
+        return None
+
+
+def _copy_threads(copy_threads: Optional[int]) -> int:
+    if copy_threads is None:
+        copy_threads = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    return max(1, int(copy_threads))
+
+
+def _prepare(plan: _Plan, model: nn.Module, is_src: bool, rank: int, bucket_bytes: int, early: Any = None) -> None:
     """The ring before the agreement (csrc/pipeline.h, PreparedRun), as a sync makes it: a rank that cannot have
     it (out of memory) refuses in the agreement, so that every rank raises with nothing written, where after it
     that rank alone would fail while the others wait in the first broadcast; and the source's first buckets are
-    read from the checkpoint (host memory: the bus's slowest leg) while the ranks agree."""
+    read from the checkpoint (host memory: the bus's slowest leg) while the ranks agree, or were read while it
+    planned (early: _prepack's, whose ring the run takes where it packed those buckets as this plan does)."""
     core = plan.core
     if core is None or plan.errors or not _PREPARE or not core.can_prepare:
         return
     try:
-        plan.prepared = core.prepare(is_src)
+        plan.prepared = core.prepare(is_src, early=early)
+        plan.prepacked = plan.prepared.prepacked
     except Exception as e:  # out of memory, mostly
         plan.errors += [f"Error(s) in loading state_dict for {type(model).__name__} on rank {rank}:",
                         f"rank {rank} could not make its ring of {core.ring_slots} buckets "
@@ -688,9 +721,7 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], model
         return found
 
     DTensor, Replicate, Shard = _dtensor.classes()
-    if copy_threads is None:
-        copy_threads = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    copy_threads = max(1, int(copy_threads))
+    copy_threads = _copy_threads(copy_threads)
     table = meta["table"]
     # The usual load (every checkpoint tensor a unit of its own, in table order) is planned while load_dests
     # runs, fed its destinations as it finds them (csrc/dest_feed.h); the source's pack runs are made then too.
