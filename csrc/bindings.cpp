@@ -646,8 +646,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Prepack>(m, "Prepack",
                       "A load source's first buckets packed into a ring from the checkpoint's host memory while it "
                       "still plans (csrc/prepack.cpp), for Plan.prepare(early=); dropped unused, it waits for its "
-                      "copies and frees its ring")
-      .def_property_readonly("packed", [](const Prepack& p) { return p.run ? p.run->packed : 0; });
+                      "copies and frees its ring");
   m.def(
       "prepack_load",
       [](const at::Tensor& table, const py::object& sources, int64_t bucket_bytes, int64_t ring_depth, int64_t rank,

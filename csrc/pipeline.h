@@ -47,6 +47,7 @@ inline bool group_serves(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, c10::
 using BucketHook = std::function<void(int64_t bucket, const at::Tensor& slot)>;
 
 class Executor;  // executor.h
+struct Prepack;  // below
 
 // A sync's or a load's ring made before the agreement, on every rank: its
 // memory allocated and its copy table uploaded, and on the source its first
@@ -68,8 +69,6 @@ class Executor;  // executor.h
 // kept from it (`ring`: nothing to allocate, so nothing to fail), and a
 // source whose tensors changed sends its slots unpacked (`pack` false) and
 // says so in the agreement, which then has every rank drop what was sent.
-struct Prepack;
-
 struct PreparedRun {
   // early: a Prepack of this load's source (prepack_load): its ring taken where it packed this plan's first
   // buckets as this plan would (packs_match), else dropped before this run's ring is made; either way used up.

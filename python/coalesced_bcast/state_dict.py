@@ -172,11 +172,12 @@ def load_full_state_dict(
             except Exception as e:  # the others are already waiting for the metadata: tell them
                 meta, src_tensors = dict(fatal=f"rank {rank}: {type(e).__name__}: {e}"), None
         early = None
-        prepack = _prepack(meta, src_tensors, device, bucket_bytes, ring_depth, rank, copy_threads) if is_src else None
         meta, unreadable = _broadcast_meta(meta, pg, src_g, ctrl, rank)
         if meta["fatal"]:
             raise LoadStateDictError(f"load_full_state_dict: source rank {src} refused, so no rank loaded "
                                      f"anything: {meta['fatal']}")
+        # After the metadata is out: the other ranks plan from it meanwhile.
+        prepack = _prepack(meta, src_tensors, device, bucket_bytes, ring_depth, rank, copy_threads) if is_src else None
         plan = _plan_local(model, model_sd, model_keys, extra_mods, owned, meta, src_tensors, strict, device, rank,
                            error or unreadable, bucket_bytes, ring_depth, copy_threads)
         _prepare(plan, model, is_src, rank, bucket_bytes, prepack)
@@ -651,7 +652,7 @@ def _plan_local(model: nn.Module, model_sd: Optional[Mapping[str, Any]], model_k
     return plan
 
 
-def _prepack(meta: Optional[dict], src_tensors: Any, device: torch.device, bucket_bytes: int, ring_depth: int,
+def _prepack(meta: dict, src_tensors: Any, device: torch.device, bucket_bytes: int, ring_depth: int,
              rank: int, copy_threads: Optional[int]) -> Any:
     """The source's first buckets (one per ring slot) read from the checkpoint's host memory into a ring while
     it still plans (csrc/prepack.cpp): on a GPU the copy up the bus is the load's slowest leg, and those buckets'
@@ -660,8 +661,8 @@ def _prepack(meta: Optional[dict], src_tensors: Any, device: torch.device, bucke
     in the agreement)."""
     # Opt-in (COALESCED_BCAST_PREPACK=1, read per load) until its GPU tests have passed on the code as it is:
     # bench/results/h100x1_2026-12-06g.txt.
-    if (not _PREPARE or os.environ.get("COALESCED_BCAST_PREPACK") != "1" or device.type != "cuda" or meta is None
-            or meta["fatal"] or meta["table"] is None or not isinstance(src_tensors, _C.TensorList)):
+    if (not _PREPARE or os.environ.get("COALESCED_BCAST_PREPACK") != "1" or device.type != "cuda"
+            or meta.get("table") is None or not isinstance(src_tensors, _C.TensorList)):
         return None
     try:
         return _C.prepack_load(meta["table"], src_tensors, bucket_bytes, ring_depth, rank,
