@@ -21,6 +21,8 @@ with torch.device("meta"):
 fully_shard(model, mesh=mesh)
 model.to_empty(device=device)
 sd = {k: torch.zeros(v.shape, dtype=torch.bfloat16, pin_memory=cuda) for k, v in model.state_dict().items()}
+if os.environ.get("LOAD_CALLS_SORTED") == "1":  # keys as a safetensors file keeps them ("0", "1", "10", ...)
+    sd = dict(sorted(sd.items()))
 spent: dict = {}  # seconds per _C call (or method of what one returned), summed over a load
 cap: dict = {}  # the arguments of load_dests and start_load_plan, to call them again alone
 

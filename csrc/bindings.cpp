@@ -428,7 +428,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         // bucket in turn, through the executor the broadcast uses (one upload of the table, the copy lane),
         // without any communication. Two plans over tensors of the same layout move a state from one set to
         // the other through it: the copy kernels both ways, on one device.
-        TORCH_CHECK_VALUE(slot.device() == plan.device && slot.is_contiguous() && slot.nbytes() >= plan.slot_bytes,
+        TORCH_CHECK_VALUE(slot.device() == plan.device && slot.is_contiguous() &&
+                              static_cast<int64_t>(slot.nbytes()) >= plan.slot_bytes,
                           "_copy_buckets: a contiguous slot of at least ", plan.slot_bytes, " bytes on ",
                           plan.device, ", got ", slot.nbytes(), " bytes on ", slot.device());
         for (const int64_t b : buckets) {
@@ -649,17 +650,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                       "copies and frees its ring");
   m.def(
       "prepack_load",
-      [](const at::Tensor& table, const py::object& sources, int64_t bucket_bytes, int64_t ring_depth, int64_t rank,
-         int64_t copy_threads, c10::Device device) -> std::unique_ptr<Prepack> {
+      [](const at::Tensor& table, const at::Tensor& canon, const std::optional<at::Tensor>& rows,
+         const py::object& sources, int64_t bucket_bytes, int64_t ring_depth, int64_t rank, int64_t copy_threads,
+         c10::Device device) -> std::unique_ptr<Prepack> {
         if (!py::isinstance<TensorList>(sources)) return nullptr;
         const auto& list = sources.cast<TensorList&>().tensors;  // read, not taken: the plan takes them later
         auto o = load_options(bucket_bytes, ring_depth, rank, device, /*whole_units=*/false);
         o.copy_threads = copy_threads;
         py::gil_scoped_release release;
-        return prepack_load(table, list, o);
+        return prepack_load(table, canon, rows.value_or(at::Tensor()), list, o);
       },
-      py::arg("table"), py::arg("sources"), py::arg("bucket_bytes"), py::arg("ring_depth"), py::arg("rank"),
-      py::arg("copy_threads"), py::arg("device"),
+      py::arg("table"), py::arg("canon"), py::arg("rows"), py::arg("sources"), py::arg("bucket_bytes"),
+      py::arg("ring_depth"), py::arg("rank"), py::arg("copy_threads"), py::arg("device"),
       "The source's first buckets packed before its load plan is made (a Prepack), or None where there is nothing "
       "to win (a CPU load, sources on the device)");
   py::class_<Plan>(m, "Plan")

@@ -111,10 +111,13 @@ struct Prepack {
   std::unique_ptr<PreparedRun> run;  // null once taken or dropped
 };
 
-// The Prepack of a load's source, from its metadata table and its tensors (one per row, in the table's
-// order); null where there is nothing to win (a CPU load, sources on the device) or it cannot be made.
+// The Prepack of a load's source, from its metadata table, each row's canonical row (ties), the table rows
+// of the load's values in the model's key order (undefined: the table's order) and its tensors (one per
+// row); null where there is nothing to win (a CPU load, sources on the device) or it cannot be made.
 std::unique_ptr<Prepack> prepack_load(
     const at::Tensor& table,
+    const at::Tensor& canon,
+    const at::Tensor& rows,
     const std::vector<at::Tensor>& sources,
     const LoadOptions& options);
 

@@ -7,11 +7,15 @@
 // checkpoint's tensors. A plan of the units those buckets hold, with pack runs
 // and no destinations, packs them through a PreparedRun of its own; the load's
 // PreparedRun then takes its ring where the load's plan packs those buckets
-// exactly so (packs_match), and drops it otherwise.
+// exactly so (packs_match), and drops it otherwise. The units are the load's:
+// each value's canonical table row in the model's key order (`rows`, from the
+// source's key matching; a checkpoint in the model's order needs none), so a
+// checkpoint whose keys are sorted (safetensors) is served as one in order.
 #include <ATen/ATen.h>
 
+#include <vector>
+
 #include "pipeline.h"
-#include "units.h"
 
 namespace coalesced_bcast {
 namespace {
@@ -28,23 +32,59 @@ bool same_layout(const Layout& a, const Layout& b) {
 
 std::unique_ptr<Prepack> prepack_load(
     const at::Tensor& table,
+    const at::Tensor& canon,
+    const at::Tensor& rows,
     const std::vector<at::Tensor>& sources,
     const LoadOptions& options) {
   if (!options.device.is_cuda()) return nullptr;  // a CPU load's packs run on this thread anyway
-  const auto units = read_units(table);
-  if (units.size() != sources.size()) return nullptr;  // the load's plan words it
+  constexpr int64_t kWidth = 2 + kMaxDims;
+  TORCH_CHECK_VALUE(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == kWidth,
+                    "table must be int64 [R, ", kWidth, "], got ", table.toString());
+  const int64_t R = table.size(0);
+  TORCH_CHECK_VALUE(canon.scalar_type() == at::kLong && canon.numel() == R, "canon must be int64 [", R, "], got ",
+                    canon.toString());
+  TORCH_CHECK_VALUE(!rows.defined() || (rows.scalar_type() == at::kLong && rows.dim() == 1),
+                    "rows must be int64 [n], got ", rows.toString());
+  if (static_cast<int64_t>(sources.size()) != R) return nullptr;  // the load's plan words it
+  const auto tab_c = table.contiguous();
+  const auto canon_c = canon.contiguous();
+  const auto rows_c = rows.defined() ? rows.contiguous() : rows;
+  const int64_t* tab = tab_c.data_ptr<int64_t>();
+  const int64_t* can = canon_c.data_ptr<int64_t>();
+  const int64_t* row_of = rows_c.defined() ? rows_c.data_ptr<int64_t>() : nullptr;
+  const int64_t n = row_of != nullptr ? rows_c.numel() : R;
+  // The load's units as load_dests makes them (each value's canonical row, the first time it comes), laid out
+  // as read_units lays them out, up to the ring's end: the rest of the table is not read.
   const int64_t end = options.ring_depth * options.bucket_bytes;
-  size_t k = 0;
-  while (k < units.size() && units[k].offset < end) ++k;
-  for (size_t i = 0; i < k; ++i) {
+  std::vector<int64_t> picked;
+  std::vector<bool> seen(static_cast<size_t>(R), false);
+  int64_t offset = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t j = row_of != nullptr ? row_of[i] : i;
+    TORCH_CHECK_VALUE(j >= 0 && j < R, "row ", j, " of value ", i, " is not in the table of ", R);
+    const int64_t c = can[j];
+    TORCH_CHECK_VALUE(c >= 0 && c < R, "canonical row ", c, " of row ", j, " is not in the table of ", R);
+    if (seen[c]) continue;
+    seen[c] = true;
+    const int64_t* r = tab + c * kWidth;
+    TORCH_CHECK_VALUE(r[1] >= 0 && r[1] <= kMaxDims, "row ", c, " has ", r[1], " dims");
+    int64_t nbytes = static_cast<int64_t>(c10::elementSize(static_cast<c10::ScalarType>(r[0])));
+    for (int64_t d = 0; d < r[1]; ++d) nbytes *= r[2 + d];
+    const int64_t start = nbytes > 0 ? align_up(offset, kAlign) : offset;
+    if (start >= end) break;
     // Device sources pack at the device's rate in the ring's first microseconds: nothing to win early.
-    if (!sources[i].defined() || !sources[i].is_cpu()) return nullptr;
+    if (!sources[c].defined() || !sources[c].is_cpu()) return nullptr;
+    picked.push_back(c);
+    offset = start + nbytes;
   }
+  if (picked.empty()) return nullptr;
+  const auto index = at::tensor(picked, at::kLong);
+  std::vector<at::Tensor> first;
+  first.reserve(picked.size());
+  for (const int64_t c : picked) first.push_back(sources[c]);
   auto pre = std::make_unique<Prepack>();
-  pre->plan = std::make_unique<Plan>(make_load_plan(
-      table.narrow(0, 0, static_cast<int64_t>(k)).contiguous(),
-      std::vector<at::Tensor>(sources.begin(), sources.begin() + static_cast<int64_t>(k)), {},
-      at::empty({0, 1 + kMaxDims}, at::kLong), options));
+  pre->plan = std::make_unique<Plan>(make_load_plan(tab_c.index_select(0, index), std::move(first), {},
+                                                    at::empty({0, 1 + kMaxDims}, at::kLong), options));
   if (!can_prepare(*pre->plan)) return nullptr;
   pre->run = std::make_unique<PreparedRun>(*pre->plan, /*is_src=*/true, /*pack=*/true);
   return pre;

@@ -288,6 +288,7 @@ def test_load_prepared_before_its_agreement_is_dropped_clean(pinned):
 
 
 def _prepack_body(rank, world_size):
+    from coalesced_bcast import _C
     dev = torch.device("cuda", 0)
     g = torch.Generator(device=dev).manual_seed(23)
     # 1 MiB buckets: large runs (the copy engine's), small ones (the copy kernel's), a strided pinned tensor
@@ -298,33 +299,50 @@ def _prepack_body(rank, world_size):
     model = nn.Module()
     for k, v in full.items():
         model.register_parameter(k, nn.Parameter(torch.zeros_like(v), requires_grad=False))
+    model.register_parameter("w2b", model.w2)  # tied: one unit, in the first bucket, named again last
     pinned = {k: v.cpu().pin_memory() for k, v in full.items()}
     pinned["w1"] = full["w1"].cpu().t().contiguous().t().pin_memory()  # strided, in bucket 0
     assert not pinned["w1"].is_contiguous()
     pageable = {k: v.cpu() for k, v in full.items()}  # the first buckets staged by the host's threads
-    reordered = dict(reversed(list(pinned.items())))  # the stream follows the model's order: not the table's
-    for sd, want, switch in ((pinned, 2, "1"), (pageable, 2, "1"), (reordered, 0, "1"), (pinned, 0, None)):
-        for _ in range(2):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(dev)
-            base = torch.cuda.memory_allocated(dev)
-            stats = _load_zeroed(model, sd, "COALESCED_BCAST_PREPACK", switch, bucket_bytes=1 << 20)
-            torch.cuda.synchronize()
-            extra = torch.cuda.max_memory_allocated(dev) - base
-            for k, v in full.items():
-                assert torch.equal(model.get_parameter(k), v), (k, want, switch)
-            assert stats.buckets > 4 and stats.prepacked_buckets == want, (stats, want, switch)
-            assert (stats.host_ring_bytes > 0) == (sd is pageable), stats  # a prepack's staging counted too
-            # the ring (2 x 1 MiB) and its tables: a prepack's ring is the load's, never a second one beside it
-            assert extra < 2 * (2 << 20), (extra, stats)
-            assert torch.cuda.memory_allocated(dev) == base, "the ring outlived the load"
+    for sd in (pinned, pageable):
+        sd["w2b"] = sd["w2"]
+    # The stream follows the model's order, not the table's (w0, w1, w10, w11, ...: a safetensors file's): the
+    # source matches keys before it prepacks.
+    sorted_keys = dict(sorted(pinned.items()))
+    prepack_load = _C.prepack_load
+
+    def backwards(table, canon, rows, *args):  # the units in another order than the load's: not taken
+        return prepack_load(table, canon, torch.arange(table.size(0) - 1, -1, -1), *args)
+
+    cases = ((pinned, 2, "1", None), (pageable, 2, "1", None), (sorted_keys, 2, "1", None),
+             (pinned, 0, "1", backwards), (pinned, 0, None, None))
+    for sd, want, switch, patch in cases:
+        _C.prepack_load = patch or prepack_load
+        try:
+            for _ in range(2):
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(dev)
+                base = torch.cuda.memory_allocated(dev)
+                stats = _load_zeroed(model, sd, "COALESCED_BCAST_PREPACK", switch, bucket_bytes=1 << 20)
+                torch.cuda.synchronize()
+                extra = torch.cuda.max_memory_allocated(dev) - base
+                for k, v in full.items():
+                    assert torch.equal(model.get_parameter(k), v), (k, want, switch, patch)
+                assert stats.buckets > 4 and stats.prepacked_buckets == want, (stats, want, switch, patch)
+                assert (stats.host_ring_bytes > 0) == (sd is pageable), stats  # a prepack's staging counted too
+                # the ring (2 x 1 MiB) and its tables: a prepack's ring is the load's, never a second one beside it
+                assert extra < 2 * (2 << 20), (extra, stats)
+                assert torch.cuda.memory_allocated(dev) == base, "the ring outlived the load"
+        finally:
+            _C.prepack_load = prepack_load
 
 
 def test_load_source_packs_its_first_buckets_while_it_plans():
     """With COALESCED_BCAST_PREPACK=1 a load's source reads its first buckets from pinned or pageable host memory
-    into its ring before its plan is made (csrc/prepack.cpp); the load's ring is that one where the plan packs them
-    the same way, and where it does not (the model's keys in another order than the checkpoint's) it is dropped
-    before the load makes its own: bitwise either way, one ring at a time; unset, nothing is prepacked."""
+    into its ring before its plan is made (csrc/prepack.cpp), in the model's key order whatever the checkpoint's,
+    a tied tensor once; the load's ring is that one where the plan packs them the same way, and where it does not
+    (a prepack in another order) it is dropped before the load makes its own: bitwise either way, one ring at a
+    time; unset, nothing is prepacked."""
     run_ranks(1, _prepack_body, backend="nccl", timeout=200)
 
 

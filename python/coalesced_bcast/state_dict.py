@@ -177,7 +177,8 @@ def load_full_state_dict(
             raise LoadStateDictError(f"load_full_state_dict: source rank {src} refused, so no rank loaded "
                                      f"anything: {meta['fatal']}")
         # After the metadata is out: the other ranks plan from it meanwhile.
-        prepack = _prepack(meta, src_tensors, device, bucket_bytes, ring_depth, rank, copy_threads) if is_src else None
+        prepack = (_prepack(meta, src_tensors, device, bucket_bytes, ring_depth, rank, copy_threads, model_sd,
+                            model_keys, extra_mods) if is_src else None)
         plan = _plan_local(model, model_sd, model_keys, extra_mods, owned, meta, src_tensors, strict, device, rank,
                            error or unreadable, bucket_bytes, ring_depth, copy_threads)
         _prepare(plan, model, is_src, rank, bucket_bytes, prepack)
@@ -653,19 +654,27 @@ def _plan_local(model: nn.Module, model_sd: Optional[Mapping[str, Any]], model_k
 
 
 def _prepack(meta: dict, src_tensors: Any, device: torch.device, bucket_bytes: int, ring_depth: int,
-             rank: int, copy_threads: Optional[int]) -> Any:
+             rank: int, copy_threads: Optional[int], model_sd: Optional[Mapping[str, Any]],
+             model_keys: _ModelState, extra: Mapping[str, nn.Module]) -> Any:
     """The source's first buckets (one per ring slot) read from the checkpoint's host memory into a ring while
     it still plans (csrc/prepack.cpp): on a GPU the copy up the bus is the load's slowest leg, and those buckets'
-    copies need only the metadata table and the tensors. A _C.Prepack for _prepare, or None: nothing to win (a
-    CPU model, sources on the GPU), or it could not be made (out of memory: the ring made with the plan says so
-    in the agreement)."""
+    copies need only the metadata table, the tensors and the order of the model's keys. A _C.Prepack for
+    _prepare, or None: nothing to win (a CPU model, sources on the GPU), a load matched key by key (extra states,
+    refused values: _match_keys' loop), or it could not be made (out of memory: the ring made with the plan says
+    so in the agreement)."""
     # Opt-in (COALESCED_BCAST_PREPACK=1, read per load) until its GPU tests have passed on the code as it is:
     # bench/results/h100x1_2026-12-06g.txt.
     if (not _PREPARE or os.environ.get("COALESCED_BCAST_PREPACK") != "1" or device.type != "cuda"
-            or meta.get("table") is None or not isinstance(src_tensors, _C.TensorList)):
+            or meta.get("table") is None or not isinstance(src_tensors, _C.TensorList) or model_sd is None
+            or extra or meta["extras"] or meta["bad"]):
         return None
     try:
-        return _C.prepack_load(meta["table"], src_tensors, bucket_bytes, ring_depth, rank,
+        rows = None  # the model's keys are the checkpoint's, in its order: the table's rows as they come
+        if not (meta["rows"].numel() == meta["num_keys"] == len(model_sd) and _same_keys(meta, model_keys)):
+            rows = _usual_match(meta, model_sd)[1]  # shared with _match_keys, which runs next
+            if rows is None:
+                return None
+        return _C.prepack_load(meta["table"], meta["canon"], rows, src_tensors, bucket_bytes, ring_depth, rank,
                                _copy_threads(copy_threads), device)
     except Exception as e:
         logger.debug("load_full_state_dict: no prepack on rank %d: %s", rank, e)
@@ -793,8 +802,7 @@ def _match_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], mode
         # table row (rows is then 0..n-1): nothing to match key by key.
         return model_keys.keys, model_keys.values, meta["rows"], model_keys.keys, extra
     keys = _checkpoint_keys(meta)
-    index = {k: i for i, k in enumerate(keys)}
-    row_of = dict(zip(meta["rows"].tolist(), range(len(meta["rows"]))))  # key index -> table row
+    index, row_of = _key_index(meta)
     if extra:  # load_state_dict takes extra state only into modules that override set_extra_state
         unset = {k for k, m in extra.items() if type(m).set_extra_state is nn.Module.set_extra_state}
         if unset:
@@ -813,17 +821,12 @@ def _match_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], mode
     elif strict:
         plan.errors += _strict_errors(plan.missing, plan.unexpected)
     # Key matching here; per value, its checks, unit and box in C++ (csrc/load_dests.h).
-    load_keys, values, value_rows, value_keys = [], [], [], []
-    matched = False
     if not extra and not bad:  # the usual case, in comprehensions: the loop below costs ~3x more per key
-        load_keys = [k for k in model_sd if k in index]
-        value_rows = [row_of.get(index[k]) for k in load_keys]
-        matched = None not in value_rows  # else a source value is extra state: the loop below words it
-        if matched:
-            values, value_keys = [model_sd[k] for k in load_keys], load_keys
-        else:
-            load_keys, value_rows = [], []
-    for k, v in (() if matched else model_sd.items()):
+        load_keys, rows = _usual_match(meta, model_sd)
+        if rows is not None:  # else a source value is extra state: the loop below words it
+            return load_keys, [model_sd[k] for k in load_keys], rows, load_keys, extra
+    load_keys, values, value_rows, value_keys = [], [], [], []
+    for k, v in model_sd.items():
         i = index.get(k)
         if i is None:
             continue
@@ -845,6 +848,29 @@ def _match_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], mode
         value_rows.append(j)
         value_keys.append(k)
     return load_keys, values, torch.tensor(value_rows, dtype=torch.int64), value_keys, extra
+
+
+def _key_index(meta: dict) -> tuple[dict[str, int], dict[int, int]]:
+    """The checkpoint's key -> key index, and key index -> table row; made once per load (meta keeps them)."""
+    found = meta.get("_index")
+    if found is None:
+        index = {k: i for i, k in enumerate(_checkpoint_keys(meta))}
+        found = meta["_index"] = index, dict(zip(meta["rows"].tolist(), range(len(meta["rows"]))))
+    return found
+
+
+def _usual_match(meta: dict, model_sd: Mapping[str, Any]) -> tuple[list[str], Optional[torch.Tensor]]:
+    """Key matching where no value is an extra state nor refused: the model's keys found in the checkpoint, in
+    the model's order, and their table rows (int64; None where a key's value is an extra state). Made once per
+    load and model state: the source's prepack matches before its plan does."""
+    found = meta.get("_usual")
+    if found is None or found[0] is not model_sd:
+        index, row_of = _key_index(meta)
+        load_keys = [k for k in model_sd if k in index]
+        value_rows = [row_of.get(index[k]) for k in load_keys]
+        rows = None if None in value_rows else torch.tensor(value_rows, dtype=torch.int64)
+        found = meta["_usual"] = model_sd, load_keys, rows
+    return found[1], found[2]
 
 
 def _int64_table(rows: list[list[int]], width: int) -> torch.Tensor:
