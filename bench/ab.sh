@@ -3,7 +3,8 @@
 # times, then fsdp2_load.py's 16k-key rows for each. Results under $OUT (build logs, fine_<arm>.txt, load_<arm>.jsonl).
 #   bash bench/ab.sh env VAR A B   one build; the arms run with VAR=A and VAR=B
 #   bash bench/ab.sh patch PATCH   the tree as it is (arm new) against it with PATCH reversed (arm base), built side
-#                                  by side; make PATCH with: git add -N <new files> && git diff HEAD -- csrc > PATCH
+#                                  by side (one build where PATCH changes no csrc/ or setup.py); make PATCH with:
+#                                  git add -N <new files> && git diff HEAD -- csrc python > PATCH
 # Knobs: GPUTEST=1 runs the one-GPU tests on the tree as it is first; ROUNDS (default 2) load_calls.py rounds;
 # SOURCES (default pinned) fsdp2_load.py's sources (FSDP2=0: none of its rows); OFFLOAD=1 adds its rows with shards
 # offloaded to pinned memory.
@@ -34,6 +35,11 @@ t0=$SECONDS
 if bash bench/device_run.sh build 2>&1 | grep -q "^using prebuilt/"; then
   echo "the tree as it is: prebuilt/"
   trees=$(echo "$trees" | grep -v -x "$PWD")
+fi
+# A patch of no compiled source: the base takes the tree's build.
+if [ "${1:-}" = patch ] && ! grep -q -E '^\+\+\+ b/(csrc/|setup\.py)' "$PATCH" && ! echo "$trees" | grep -q -x "$PWD"; then
+  cp python/coalesced_bcast/_C.*.so python/coalesced_bcast/_build_info.py /tmp/base/python/coalesced_bcast/ &&
+    echo "base: the tree's build (the patch changes no compiled source)" && trees=$(echo "$trees" | grep -v -x /tmp/base)
 fi
 for t in $trees; do
   (cd "$t" && MAX_JOBS=$jobs python3 setup.py build_ext --inplace > "$OUT/build_$(basename "$t").log" 2>&1) &

@@ -216,7 +216,7 @@ def _hooks_beside_copies_body(rank, world_size):
         torch.cuda._sleep(2_000_000_000)
     coalesced_bcast.load_full_state_dict(model, sd)
     assert seen == [False], f"the post-hook ran after the copies were done ({seen}): the host waited for them first"
-    if os.environ.get("COALESCED_BCAST_PREPACK") != "1":  # (a prepack's lane also holds the load's table upload,
+    if os.environ.get("COALESCED_BCAST_PREPACK") == "0":  # (a prepack's lane also holds the load's table upload,
         # queued after the copies it waits for): below, the sources overwritten at once tell the same for both
         assert lane.query(), "the load returned before the copies of the source's host memory were done"
     for v in sd.values():
@@ -226,11 +226,11 @@ def _hooks_beside_copies_body(rank, world_size):
         assert torch.equal(getattr(model, k), v), f"'{k}' differs"
 
 
-@pytest.mark.parametrize("prepack", [None, "1"], ids=["plain", "prepack"])
+@pytest.mark.parametrize("prepack", ["0", None], ids=["plain", "prepack"])
 def test_load_post_hooks_run_while_the_host_copies_do(prepack, monkeypatch):
     """The source's host does the load's post-hooks while its copies of host memory are still running, and
     waits for those copies before it returns; with a prepack too, whose copies queue behind the busy lane."""
-    if prepack:
+    if prepack is not None:
         monkeypatch.setenv("COALESCED_BCAST_PREPACK", prepack)
     run_ranks(1, _hooks_beside_copies_body, backend="nccl", timeout=200)
 
@@ -314,8 +314,8 @@ def _prepack_body(rank, world_size):
     def backwards(table, canon, rows, *args):  # the units in another order than the load's: not taken
         return prepack_load(table, canon, torch.arange(table.size(0) - 1, -1, -1), *args)
 
-    cases = ((pinned, 2, "1", None), (pageable, 2, "1", None), (sorted_keys, 2, "1", None),
-             (pinned, 0, "1", backwards), (pinned, 0, None, None))
+    cases = ((pinned, 2, None, None), (pageable, 2, "1", None), (sorted_keys, 2, None, None),
+             (pinned, 0, None, backwards), (pinned, 0, "0", None))
     for sd, want, switch, patch in cases:
         _C.prepack_load = patch or prepack_load
         try:
@@ -338,11 +338,11 @@ def _prepack_body(rank, world_size):
 
 
 def test_load_source_packs_its_first_buckets_while_it_plans():
-    """With COALESCED_BCAST_PREPACK=1 a load's source reads its first buckets from pinned or pageable host memory
+    """A load's source reads its first buckets from pinned or pageable host memory
     into its ring before its plan is made (csrc/prepack.cpp), in the model's key order whatever the checkpoint's,
     a tied tensor once; the load's ring is that one where the plan packs them the same way, and where it does not
     (a prepack in another order) it is dropped before the load makes its own: bitwise either way, one ring at a
-    time; unset, nothing is prepacked."""
+    time; with COALESCED_BCAST_PREPACK=0, nothing is prepacked."""
     run_ranks(1, _prepack_body, backend="nccl", timeout=200)
 
 

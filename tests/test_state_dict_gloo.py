@@ -448,7 +448,7 @@ class _RecordFed:
 def check_many_keys(rank: int, ws: int) -> None:
     """More keys than load_dests reads ahead (groups of 16, several groups deep), DTensors and plain buffers
     alternating: every key lands bitwise, through the plan fed by load_dests as it reads (and the same without
-    it), and a bad key late in the list is the one named, on every rank, the fed plan dropped. A plain model
+    it; and with the checkpoint's keys sorted, in another order than the model's), and a bad key late in the list is the one named, on every rank, the fed plan dropped. A plain model
     that names one buffer by two keys takes the plan made after load_dests, and the last key's value."""
     mesh = init_device_mesh("cpu", (ws,))
 
@@ -472,6 +472,13 @@ def check_many_keys(rank: int, ws: int) -> None:
         assert stats.keys == 234, stats
         assert [p.used for p in fed] == ([True] if feed == "1" else []), (rank, feed)
         assert_same_as_reference(model, reference(Blocks, sd), f"many keys, feed {feed}")
+    # Keys sorted as strings (a safetensors file's order: blocks.0, blocks.1, blocks.10, ...): the plan is fed
+    # the table's rows in the model's order.
+    model = build()
+    with _RecordFed() as fed:
+        load_full_state_dict(model, dict(sorted(sd.items())) if rank == 0 else None, bucket_bytes=4096)
+    assert [p.used for p in fed] == [True], rank
+    assert_same_as_reference(model, reference(Blocks, sd), "many keys, sorted")
     # FSDP2's post-hooks judged where a GPU load judges them, once the transfer is queued: with the fed plan
     # (made by the time load_dests returns) no judgment is begun while planning, and the hook of a parameter
     # replaced since fully_shard still runs (FSDP2 takes the new parameter, its shard re-padded, values kept).

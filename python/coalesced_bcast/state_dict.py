@@ -465,7 +465,9 @@ def _describe_source(sd: Optional[Mapping[str, Any]], extra: Mapping[str, nn.Mod
                 tensors.append(v)
             else:
                 meta["bad"][i] = _source_problem(v)
-    if model_sd is not None and not _same_keys(meta, model_keys):  # the same keys in order: none lacking
+    # The same keys in order: none lacking; no batch norm's counter among the model's keys: none to fill.
+    if (model_sd is not None and (model_keys.joined is None or _NBT in model_keys.joined)
+            and not _same_keys(meta, model_keys)):
         meta["norm_versions"] = _norm_versions(sd, model_sd)
     if early is not None:
         table, canon, problems, tensors = early[1].result(device)  # tensors: now a _C.TensorList
@@ -662,16 +664,15 @@ def _prepack(meta: dict, src_tensors: Any, device: torch.device, bucket_bytes: i
     _prepare, or None: nothing to win (a CPU model, sources on the GPU), a load matched key by key (extra states,
     refused values: _match_keys' loop), or it could not be made (out of memory: the ring made with the plan says
     so in the agreement)."""
-    # Opt-in (COALESCED_BCAST_PREPACK=1, read per load) until its GPU tests have passed on the code as it is:
-    # bench/results/h100x1_2026-12-06g.txt.
-    if (not _PREPARE or os.environ.get("COALESCED_BCAST_PREPACK") != "1" or device.type != "cuda"
+    # COALESCED_BCAST_PREPACK=0 (read per load): none (the bench's A/B switch).
+    if (not _PREPARE or os.environ.get("COALESCED_BCAST_PREPACK") == "0" or device.type != "cuda"
             or meta.get("table") is None or not isinstance(src_tensors, _C.TensorList) or model_sd is None
             or extra or meta["extras"] or meta["bad"]):
         return None
     try:
         rows = None  # the model's keys are the checkpoint's, in its order: the table's rows as they come
         if not (meta["rows"].numel() == meta["num_keys"] == len(model_sd) and _same_keys(meta, model_keys)):
-            rows = _usual_match(meta, model_sd)[1]  # shared with _match_keys, which runs next
+            rows = _usual_match(meta, model_sd).rows  # shared with _match_keys, which runs next
             if rows is None:
                 return None
         return _C.prepack_load(meta["table"], meta["canon"], rows, src_tensors, bucket_bytes, ring_depth, rank,
@@ -733,12 +734,17 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], model
     DTensor, Replicate, Shard = _dtensor.classes()
     copy_threads = _copy_threads(copy_threads)
     table = meta["table"]
-    # The usual load (every checkpoint tensor a unit of its own, in table order) is planned while load_dests
-    # runs, fed its destinations as it finds them (csrc/dest_feed.h); the source's pack runs are made then too.
+    # The usual load (every checkpoint tensor a unit of its own, in the model's key order) is planned while
+    # load_dests runs, fed its destinations as it finds them (csrc/dest_feed.h); the source's pack runs are made
+    # then too. A checkpoint in another order (sorted keys) is fed its table and tensors in the model's order.
     fed = None
     if len(values) == table.size(0) and _feed_plan():
-        fed = _C.start_fed_load_plan(table, src_tensors if src_tensors is not None else [], len(values),
-                                     bucket_bytes, ring_depth, rank, copy_threads, device)
+        fed_rows, fed_table, fed_sources = value_rows, table, src_tensors if src_tensors is not None else []
+        if value_rows is not meta["rows"]:  # (meta's rows: the table's order, _match_keys' usual case)
+            fed_table = table.index_select(0, value_rows)
+            fed_sources = fed_sources.take(value_rows) if src_tensors is not None else []
+        fed = _C.start_fed_load_plan(fed_table, fed_sources, len(values), bucket_bytes, ring_depth, rank,
+                                     copy_threads, device)
     try:
         local, meta_t, units_t, unit_src_rows, plan.cast_keys, problems = _C.load_dests(
             values, value_rows, table, meta["canon"], owned, DTensor, Shard,
@@ -752,8 +758,8 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], model
     # in the same order (by table row).
     n = table.size(0)
     in_order = unit_src_rows.numel() == n and bool(torch.equal(unit_src_rows, torch.arange(n)))
-    if fed is not None:
-        fed.close(in_order and not plan.errors)  # not used where a tensor was named twice (csrc/dest_feed.h)
+    if fed is not None:  # not used where a tensor was named twice (csrc/dest_feed.h)
+        fed.close(not plan.errors and unit_src_rows.numel() == n and bool(torch.equal(unit_src_rows, fed_rows)))
     plan.num_keys = len(load_keys)
     plan.digest = _digest(load_keys, extra, model_keys)
     if plan.errors:
@@ -808,10 +814,15 @@ def _match_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], mode
         if unset:
             model_sd = {k: v for k, v in model_sd.items() if k not in unset}
             extra = {k: m for k, m in extra.items() if k not in unset}
-    plan.missing = [k for k in model_sd if k not in index]
+    # The usual case (no value an extra state or refused) in one pass over the keys (_usual_match); the loop
+    # below costs ~3x more per key.
+    usual = _usual_match(meta, model_sd) if not extra and not bad else None
+    plan.missing = usual.missing if usual is not None else [k for k in model_sd if k not in index]
     if plan.missing and meta.get("norm_versions"):
         plan.missing = [k for k in plan.missing if not _torch_fills(model, k, meta["norm_versions"])]
-    plan.unexpected = [k for k in keys if k not in model_sd]
+    # Every checkpoint key matched (keys are unique on both sides): none is unexpected.
+    every = usual is not None and len(usual.keys) == len(keys)
+    plan.unexpected = [] if every else [k for k in keys if k not in model_sd]
     if plan.unexpected:
         under_none = _under_none_children(model)
         if under_none:
@@ -821,10 +832,9 @@ def _match_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], mode
     elif strict:
         plan.errors += _strict_errors(plan.missing, plan.unexpected)
     # Key matching here; per value, its checks, unit and box in C++ (csrc/load_dests.h).
-    if not extra and not bad:  # the usual case, in comprehensions: the loop below costs ~3x more per key
-        load_keys, rows = _usual_match(meta, model_sd)
-        if rows is not None:  # else a source value is extra state: the loop below words it
-            return load_keys, [model_sd[k] for k in load_keys], rows, load_keys, extra
+    if usual is not None and usual.rows is not None:  # else a source value is extra state: the loop words it
+        values = list(model_sd.values()) if len(usual.keys) == len(model_sd) else [model_sd[k] for k in usual.keys]
+        return usual.keys, values, usual.rows, usual.keys, extra
     load_keys, values, value_rows, value_keys = [], [], [], []
     for k, v in model_sd.items():
         i = index.get(k)
@@ -840,7 +850,7 @@ def _match_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], mode
         if i in bad:
             plan.errors.append(f'While copying the parameter named "{k}", the source\'s value is {bad[i]}.')
             continue
-        j = row_of.get(i)
+        j = i if row_of is None else row_of.get(i)
         if j is None:
             plan.errors.append(f'"{k}": extra state on the source, but a tensor on rank {rank} (models differ)')
             continue
@@ -850,27 +860,47 @@ def _match_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], mode
     return load_keys, values, torch.tensor(value_rows, dtype=torch.int64), value_keys, extra
 
 
-def _key_index(meta: dict) -> tuple[dict[str, int], dict[int, int]]:
-    """The checkpoint's key -> key index, and key index -> table row; made once per load (meta keeps them)."""
+def _key_index(meta: dict) -> tuple[dict[str, int], Optional[dict[int, int]]]:
+    """The checkpoint's key -> key index, and key index -> table row (None where each key is the row of its
+    index: no value is an extra state or refused); made once per load (meta keeps them)."""
     found = meta.get("_index")
     if found is None:
-        index = {k: i for i, k in enumerate(_checkpoint_keys(meta))}
-        found = meta["_index"] = index, dict(zip(meta["rows"].tolist(), range(len(meta["rows"]))))
+        keys = _checkpoint_keys(meta)
+        index = dict(zip(keys, range(len(keys))))
+        rows = meta["rows"]
+        every = rows.numel() == meta["num_keys"]  # (then rows is 0..n-1: _describe_source)
+        found = meta["_index"] = index, None if every else dict(zip(rows.tolist(), range(rows.numel())))
     return found
 
 
-def _usual_match(meta: dict, model_sd: Mapping[str, Any]) -> tuple[list[str], Optional[torch.Tensor]]:
-    """Key matching where no value is an extra state nor refused: the model's keys found in the checkpoint, in
-    the model's order, and their table rows (int64; None where a key's value is an extra state). Made once per
-    load and model state: the source's prepack matches before its plan does."""
+class _UsualMatch(NamedTuple):
+    keys: list  # the model's keys found in the checkpoint, in the model's order
+    rows: Optional[torch.Tensor]  # their table rows (int64); None where a key's value is an extra state
+    missing: list  # the model's keys not in the checkpoint
+
+
+def _usual_match(meta: dict, model_sd: Mapping[str, Any]) -> _UsualMatch:
+    """Key matching where no value is an extra state nor refused, in one pass over the model's keys. Made once
+    per load and model state: the source's prepack matches before its plan does."""
     found = meta.get("_usual")
-    if found is None or found[0] is not model_sd:
-        index, row_of = _key_index(meta)
-        load_keys = [k for k in model_sd if k in index]
-        value_rows = [row_of.get(index[k]) for k in load_keys]
-        rows = None if None in value_rows else torch.tensor(value_rows, dtype=torch.int64)
-        found = meta["_usual"] = model_sd, load_keys, rows
-    return found[1], found[2]
+    if found is not None and found[0] is model_sd:
+        return found[1]
+    index, row_of = _key_index(meta)
+    keys = list(model_sd)
+    at = array.array("q", map(index.get, keys, itertools.repeat(-1, len(keys))))  # (a list comprehension: ~1.5x)
+    if row_of is not None:  # -2: a key whose value has no table row (an extra state)
+        at = array.array("q", [-1 if i < 0 else row_of.get(i, -2) for i in at])
+    rows = torch.frombuffer(at, dtype=torch.int64) if at else torch.empty(0, dtype=torch.int64)
+    if at and bool((rows >= 0).all()):
+        match = _UsualMatch(keys, rows, [])
+    else:
+        found_at = (rows != -1).tolist()
+        missing = list(itertools.compress(keys, [not f for f in found_at]))
+        rows = rows[rows != -1]
+        match = _UsualMatch(list(itertools.compress(keys, found_at)), None if bool((rows < 0).any()) else rows,
+                            missing)
+    meta["_usual"] = model_sd, match
+    return match
 
 
 def _int64_table(rows: list[list[int]], width: int) -> torch.Tensor:
