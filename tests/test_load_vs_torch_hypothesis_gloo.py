@@ -8,7 +8,7 @@ ones too) and buffers (persistent, non-persistent, None, every dtype), a child s
 weight is another's (a tie), a module with extra state; and a checkpoint from a source model of the same
 structure with some values cast to another dtype, stored transposed or expanded, a 0-dim value given as one
 element in 1 dim, a key dropped (num_batches_tracked among them), an unexpected key, a value of the wrong shape,
-loaded with strict True or False from either rank. The returned missing and unexpected keys must be torch's.
+its keys sorted or reversed (another order than the model's), loaded with strict True or False from either rank. The returned missing and unexpected keys must be torch's.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def specs(draw):
                 strict=draw(st.booleans()),
                 # checkpoint edits, each applied to the key drawn (modulo the keys there are)
                 edits=draw(st.lists(st.tuples(st.sampled_from(["cast", "transposed", "expanded", "one_elem", "drop",
-                                                               "unexpected", "wrong_shape"]),
+                                                               "unexpected", "wrong_shape", "sorted", "reversed"]),
                                               st.integers(0, 63)), max_size=3)))
 
 
@@ -139,6 +139,10 @@ def checkpoint(spec) -> dict:
             bad = torch.empty(v.shape + (2,), dtype=v.dtype)
             bits(bad).fill_(3)  # (torch 2.4 cannot fill float8 tensors)
             sd[key] = bad
+        elif what == "sorted":  # a safetensors file's order, not the model's
+            sd = dict(sorted(sd.items()))
+        elif what == "reversed":
+            sd = dict(reversed(list(sd.items())))
     return sd
 
 
@@ -193,7 +197,10 @@ def _body(rank, world_size, out_dir):
                                                                    dtype=torch.float32),
                             dict(kind="tie", parent=-1, of=1), dict(kind="none_child", parent=-1),
                             dict(kind="extra", parent=1)],
-                     seed=5, src=1, strict=False, edits=[("drop", 2), ("cast", 3), ("unexpected", 0)])]
+                     seed=5, src=1, strict=False, edits=[("drop", 2), ("cast", 3), ("unexpected", 0)]),
+                dict(parts=[dict(kind="linear", parent=-1, inp=2, out=3, bias=True, dtype=torch.float32),
+                            dict(kind="bn", parent=0, n=2), dict(kind="tie", parent=-1, of=0)],
+                     seed=6, src=0, strict=True, edits=[("reversed", 0), ("cast", 1)])]
     examples_on_ranks(rank, specs(), lambda spec: run_example(rank, spec), EXAMPLES, out_dir, explicit)
     dist.barrier()
 
