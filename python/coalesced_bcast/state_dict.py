@@ -670,8 +670,8 @@ def _prepack(meta: dict, src_tensors: Any, device: torch.device, bucket_bytes: i
             or extra or meta["extras"] or meta["bad"]):
         return None
     try:
-        rows = None  # the model's keys are the checkpoint's, in its order: the table's rows as they come
-        if not (meta["rows"].numel() == meta["num_keys"] == len(model_sd) and _same_keys(meta, model_keys)):
+        rows = None  # the table's rows as they come
+        if not _in_checkpoint_order(meta, model_sd, model_keys):
             rows = _usual_match(meta, model_sd).rows  # shared with _match_keys, which runs next
             if rows is None:
                 return None
@@ -802,10 +802,8 @@ def _match_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], mode
     the keys worded in errors, and the extra-state modules that take a value. Missing, unexpected and
     refused keys go to `plan`."""
     extras, bad = meta["extras"], meta["bad"]
-    if (not extra and not bad and meta["rows"].numel() == meta["num_keys"] == len(model_sd)
-            and _same_keys(meta, model_keys)):
-        # The usual case: the model's keys are the checkpoint's, in its order, each value a tensor of its own
-        # table row (rows is then 0..n-1): nothing to match key by key.
+    if not extra and not bad and _in_checkpoint_order(meta, model_sd, model_keys):
+        # The usual case: nothing to match key by key.
         return model_keys.keys, model_keys.values, meta["rows"], model_keys.keys, extra
     keys = _checkpoint_keys(meta)
     index, row_of = _key_index(meta)
@@ -858,6 +856,12 @@ def _match_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], mode
         value_rows.append(j)
         value_keys.append(k)
     return load_keys, values, torch.tensor(value_rows, dtype=torch.int64), value_keys, extra
+
+
+def _in_checkpoint_order(meta: dict, model_sd: Mapping[str, Any], model_keys: _ModelState) -> bool:
+    """Whether the model's keys are the checkpoint's, in its order, each value a tensor of its own table row
+    (rows is then 0..n-1)."""
+    return meta["rows"].numel() == meta["num_keys"] == len(model_sd) and _same_keys(meta, model_keys)
 
 
 def _key_index(meta: dict) -> tuple[dict[str, int], Optional[dict[int, int]]]:
