@@ -198,6 +198,8 @@ class Bench:
     def emit(self, **row) -> None:
         row.update(bench="fsdp2_load", rank=self.rank, world=self.ws, torch=torch.__version__, offload=self.args.offload,
                    device=torch.cuda.get_device_name() if not self.cpu else "cpu")
+        if self.args.sorted_keys:
+            row.update(keys="sorted")
         print(json.dumps(row), flush=True)
         self.rows.append(row)
 
@@ -280,6 +282,8 @@ class Bench:
         for source in sources:
             t0 = time.perf_counter()
             sd = make_source(specs, source, seed, gen_device) if self.rank == 0 else None
+            if sd is not None and args.sorted_keys:
+                sd = dict(sorted(sd.items()))
             self.sync()
             if self.rank == 0:
                 print(f"# {kind}/{source}: source built in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -505,6 +509,8 @@ def main() -> None:
     p.add_argument("--extra-env", default="", help="extra coalesced_bcast rows, each with NAME=VALUE set in the environment "
                    "during its loads (comma-separated)")
     p.add_argument("--no-dcp", action="store_true", help="leave out DCP's rows")
+    p.add_argument("--sorted-keys", action="store_true", help="the source's keys sorted as strings, as a safetensors "
+                   "file keeps them (not the model's order; rows carry keys=sorted)")
     p.add_argument("--offload", nargs="?", const="pinned", default=None, choices=("pinned", "pageable"),
                    help="FSDP2 with CPUOffloadPolicy: the model's shards in pinned (the default, as "
                    "pin_memory=True) or pageable host memory (rows carry offload=pinned|pageable)")
