@@ -202,6 +202,13 @@ class Bench:
             row.update(keys="sorted")
         print(json.dumps(row), flush=True)
         self.rows.append(row)
+        self.write([row])  # as it comes: a run cut by its time limit keeps the rows it made
+
+    def write(self, rows: list) -> None:
+        if self.args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
+            with open(self.args.out, "a") as f:  # every rank's own rows, a line each
+                f.write("".join(json.dumps(r) + "\n" for r in rows))
 
     def measure(self, fn) -> dict:
         out, sec, extra_a, extra_r = dist_setup.timed(fn, not self.cpu)
@@ -485,11 +492,7 @@ class Bench:
         for r in out:
             r.update(bench="fsdp2_load", torch=torch.__version__, h2d_GBps=h2d_rate)
             print(json.dumps(r), flush=True)
-        if self.args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
-            with open(self.args.out, "a") as f:
-                for r in rows + out:
-                    f.write(json.dumps(r) + "\n")
+        self.write(out)
 
 
 def main() -> None:
