@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "pipeline.h"
+#include "units.h"
 
 namespace coalesced_bcast {
 namespace {
@@ -54,7 +55,7 @@ std::unique_ptr<Prepack> prepack_load(
   const int64_t* row_of = rows_c.defined() ? rows_c.data_ptr<int64_t>() : nullptr;
   const int64_t n = row_of != nullptr ? rows_c.numel() : R;
   // The load's units as load_dests makes them (each value's canonical row, the first time it comes), laid out
-  // as read_units lays them out, up to the ring's end: the rest of the table is not read.
+  // as read_units lays them out (unit_offset), up to the ring's end: the rest of the table is not read.
   const int64_t end = options.ring_depth * options.bucket_bytes;
   std::vector<int64_t> picked;
   std::vector<bool> seen(static_cast<size_t>(R), false);
@@ -66,11 +67,8 @@ std::unique_ptr<Prepack> prepack_load(
     TORCH_CHECK_VALUE(c >= 0 && c < R, "canonical row ", c, " of row ", j, " is not in the table of ", R);
     if (seen[c]) continue;
     seen[c] = true;
-    const int64_t* r = tab + c * kWidth;
-    TORCH_CHECK_VALUE(r[1] >= 0 && r[1] <= kMaxDims, "row ", c, " has ", r[1], " dims");
-    int64_t nbytes = static_cast<int64_t>(c10::elementSize(static_cast<c10::ScalarType>(r[0])));
-    for (int64_t d = 0; d < r[1]; ++d) nbytes *= r[2 + d];
-    const int64_t start = nbytes > 0 ? align_up(offset, kAlign) : offset;
+    const int64_t nbytes = read_unit(tab + c * kWidth).nbytes;
+    const int64_t start = unit_offset(offset, nbytes);
     if (start >= end) break;
     // Device sources pack at the device's rate in the ring's first microseconds: nothing to win early.
     if (!sources[c].defined() || !sources[c].is_cpu()) return nullptr;

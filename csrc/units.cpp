@@ -15,35 +15,46 @@ std::string sizes_str(const Unit& u) {
   return s.str();
 }
 
+Unit read_unit(const int64_t* p) {
+  Unit x;
+  x.dtype = static_cast<c10::ScalarType>(p[0]);
+  x.ndim = p[1];
+  TORCH_CHECK_VALUE(x.ndim >= 0 && x.ndim <= kMaxDims, "a checkpoint tensor has ", x.ndim, " dims; at most ",
+                    kMaxDims, " are supported");
+  x.numel = 1;
+  for (int64_t d = 0; d < kMaxDims; ++d) {
+    x.sizes[d] = d < x.ndim ? p[2 + d] : 1;
+    x.numel *= x.sizes[d];
+  }
+  x.elem_size = static_cast<int64_t>(c10::elementSize(x.dtype));
+  x.nbytes = x.numel * x.elem_size;
+  x.offset = 0;
+  return x;
+}
+
+int64_t unit_offset(int64_t end, int64_t nbytes, int64_t whole_in) {
+  // Every tensor starts on a 16-byte boundary: packed runs are whole words.
+  int64_t offset = nbytes > 0 ? align_up(end, kAlign) : end;
+  // An empty unit crosses nothing: moving one that sits on a multiple would open a bucket of 0 bytes.
+  if (whole_in > 0 && nbytes > 0 && nbytes <= whole_in && offset / whole_in != (offset + nbytes - 1) / whole_in) {
+    offset = (offset / whole_in + 1) * whole_in;
+  }
+  return offset;
+}
+
 std::vector<Unit> read_units(const at::Tensor& units, int64_t whole_in) {
   TORCH_CHECK_VALUE(
       units.scalar_type() == at::kLong && units.is_cpu() && units.dim() == 2 && units.size(1) == 2 + kMaxDims,
       "units must be a cpu int64 tensor of shape [n, ", 2 + kMaxDims, "], got ", units.toString());
   const auto u = units.contiguous();
   const auto* p = u.data_ptr<int64_t>();
-  std::vector<Unit> out(u.size(0));
+  std::vector<Unit> out;
+  out.reserve(u.size(0));
   int64_t offset = 0;
-  for (auto& x : out) {
-    x.dtype = static_cast<c10::ScalarType>(p[0]);
-    x.ndim = p[1];
-    TORCH_CHECK_VALUE(x.ndim >= 0 && x.ndim <= kMaxDims, "a checkpoint tensor has ", x.ndim, " dims; at most ",
-                      kMaxDims, " are supported");
-    x.numel = 1;
-    for (int64_t d = 0; d < kMaxDims; ++d) {
-      x.sizes[d] = d < x.ndim ? p[2 + d] : 1;
-      x.numel *= x.sizes[d];
-    }
-    x.elem_size = static_cast<int64_t>(c10::elementSize(x.dtype));
-    x.nbytes = x.numel * x.elem_size;
-    // Every tensor starts on a 16-byte boundary: packed runs are whole words.
-    x.offset = x.nbytes > 0 ? align_up(offset, kAlign) : offset;
-    // An empty unit crosses nothing: moving one that sits on a multiple would open a bucket of 0 bytes.
-    if (whole_in > 0 && x.nbytes > 0 && x.nbytes <= whole_in &&
-        x.offset / whole_in != (x.offset + x.nbytes - 1) / whole_in) {
-      x.offset = (x.offset / whole_in + 1) * whole_in;
-    }
+  for (int64_t i = 0; i < u.size(0); ++i, p += 2 + kMaxDims) {
+    auto& x = out.emplace_back(read_unit(p));
+    x.offset = unit_offset(offset, x.nbytes, whole_in);
     offset = x.offset + x.nbytes;
-    p += 2 + kMaxDims;
   }
   return out;
 }

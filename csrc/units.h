@@ -25,6 +25,12 @@ struct Unit {
 // "[4, 8]"
 std::string sizes_str(const Unit& u);
 
+// The unit of one table row (dtype, ndim, sizes), its offset left 0.
+Unit read_unit(const int64_t* row);
+
+// Where a unit of `nbytes` starts in the stream, the one before it ending at `end` (whole_in: as read_units).
+int64_t unit_offset(int64_t end, int64_t nbytes, int64_t whole_in = 0);
+
 // The units of an int64 [n, 2 + kMaxDims] table, with their stream offsets.
 // whole_in (a refit's bucket bytes; 0: none): a unit of at most that many
 // bytes that would cross a multiple of it starts at that multiple instead, so
