@@ -742,7 +742,8 @@ def _plan_keys(plan: _Plan, model: nn.Module, model_sd: Mapping[str, Any], model
         fed_rows, fed_table, fed_sources = value_rows, table, src_tensors if src_tensors is not None else []
         if value_rows is not meta["rows"]:  # (meta's rows: the table's order, _match_keys' usual case)
             fed_table = table.index_select(0, value_rows)
-            fed_sources = fed_sources.take(value_rows) if src_tensors is not None else []
+            if src_tensors is not None:
+                fed_sources = src_tensors.take(value_rows)
         fed = _C.start_fed_load_plan(fed_table, fed_sources, len(values), bucket_bytes, ring_depth, rank,
                                      copy_threads, device)
     try:
