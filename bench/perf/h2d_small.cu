@@ -1,7 +1,10 @@
 // Many small pinned host buffers -> one device buffer, three ways: a copy-engine copy per buffer
 // (cudaMemcpyAsync), the copy engine fed a batch (cudaMemcpyBatchAsync, CUDA 12.8+), and a kernel reading
 // host memory over the bus (what pack_cuda.cu does for a bucket's small pinned runs); beside one copy of the
-// same bytes from one pinned buffer. Prints the host time of the enqueue and the device time, best of -n.
+// same bytes from one pinned buffer; and the kernel reading half the buffers while the copy engine copies
+// the other half's bytes from one buffer on a second stream (whether the kernel alone leaves the bus idle:
+// then a load could send part of its small runs through a staged copy beside the kernel). Prints the host
+// time of the enqueue and the device time, best of -n.
 //   nvcc -O2 -std=c++17 -arch=sm_90 bench/perf/h2d_small.cu -o /tmp/h2d_small && /tmp/h2d_small [-n 5]
 #include <cuda_runtime.h>
 
@@ -64,9 +67,13 @@ int main(int argc, char** argv) {
               "wrong");
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaEvent_t a, b;
+  cudaStream_t s2;
+  CK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  cudaEvent_t a, b, fork, join;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
+  CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  CK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
   const long long cases[][2] = {{4 << 10, 16384}, {64 << 10, 16384}, {16 << 10, 65536}, {1 << 20, 1024}};
   for (const auto& c : cases) {
     const size_t size = c[0];
@@ -97,7 +104,7 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(druns, runs.data(), n * sizeof(Run), cudaMemcpyHostToDevice));
     std::vector<unsigned long long> back(total / 8);
 
-    auto time = [&](const char* name, const std::function<void()>& enqueue, bool check) {
+    auto time = [&](const char* name, const std::function<void()>& enqueue, bool check, size_t bytes = 0) {
       double best_host = 1e30, best_dev = 1e30;
       long long wrong = 0;
       for (int r = 0; r < reps + 1; ++r) {
@@ -123,7 +130,7 @@ int main(int argc, char** argv) {
           for (size_t k = 0; k < size / 8; ++k) wrong += back[i * (size / 8) + k] != i * 1000003ull + k;
       }
       std::printf("%10zu %8zu %-28s %10.2f %10.2f %9.1f %7lld\n", size, n, name, best_host, best_dev,
-                  total / best_dev / 1e6, wrong);
+                  (bytes ? bytes : total) / best_dev / 1e6, wrong);
       std::fflush(stdout);
     };
 
@@ -158,6 +165,19 @@ int main(int argc, char** argv) {
     time("kernel 512 thr x 2 loads", [&] { gather<2><<<n, 512, 0, s>>>(druns); }, true);
     time("kernel 256 thr x 8 loads", [&] { gather<8><<<n, 256, 0, s>>>(druns); }, true);
     time("kernel 1024 thr x 4 loads", [&] { gather<4><<<n, 1024, 0, s>>>(druns); }, true);
+    // Half the runs by the kernel, the other half's bytes (laid out as the kernel would write them) by one
+    // copy of the one-buffer copy's second half on s2, both between the same events.
+    const size_t half = n / 2;
+    time("kernel half + copy half", [&] {
+      CK(cudaEventRecord(fork, s));
+      CK(cudaStreamWaitEvent(s2, fork, 0));
+      gather<8><<<half, 256, 0, s>>>(druns);
+      CK(cudaMemcpyAsync(dev + half * size, static_cast<char*>(one) + half * size, (n - half) * size,
+                         cudaMemcpyHostToDevice, s2));
+      CK(cudaEventRecord(join, s2));
+      CK(cudaStreamWaitEvent(s, join, 0));
+    }, true);
+    time("kernel half alone", [&] { gather<8><<<half, 256, 0, s>>>(druns); }, false, half * size);
     CK(cudaFree(druns));
     CK(cudaFree(dev));
     CK(cudaFreeHost(one));
