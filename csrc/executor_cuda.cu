@@ -24,12 +24,14 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -347,13 +349,72 @@ class CudaExecutor final : public Executor {
   }
 
   // COALESCED_BCAST_HOST_READ=stage: small pinned runs go through the host ring like pageable ones
-  // (an A/B switch of the bench, read per bucket). The copy engine fed them in one cudaMemcpyBatchAsync is
-  // no third way: the host spends ~1.2 us a run to enqueue it (16,384 runs of 4 or 64 KiB: 19-20 ms), where
-  // the kernel reads 1 GiB of such runs at 51 GB/s, 93% of one large copy (one H100, CUDA 13.0,
-  // bench/perf/h2d_small.cu, 2026-12-06).
+  // (an A/B switch of the bench, read per bucket). The copy engine fed every small run by
+  // cudaMemcpyBatchAsync is no third way: the host spends 0.5-1.2 us a run to enqueue it (on the 12-07
+  // host 16,384 runs of 4 KiB 8 ms, 65,536 of 16 KiB 40 ms), where the kernel read 1 GiB of such runs at
+  // 51 GB/s on one H100 host, 93% of one large copy (35 GB/s on another: bench/perf/h2d_small.cu,
+  // 2026-12-06 and -07); the larger of them may go so beside the kernel (batch_host_reads).
   static bool kernel_reads_host() {
     const char* v = std::getenv("COALESCED_BCAST_HOST_READ");
     return v == nullptr || std::string(v) != "stage";
+  }
+
+  // COALESCED_BCAST_HOST_BATCH_MIN=N (bytes, under kDirectMin; unset: none): where the copy kernel reads a
+  // bucket's small pinned runs, those of N bytes or more go up through the copy engine instead, fed by
+  // cudaMemcpyBatchAsync (512 runs a call) on a stream of their own beside the kernel. On an H100 host whose
+  // kernel read pinned memory at 34.8 GB/s (one copy 55.2), the two side by side moved 1 GiB in 25.1 ms
+  // against 30.8 for the kernel alone, and the batch alone 64 KiB runs at 54 GB/s for 0.57 us of host enqueue
+  // a run (bench/perf/h2d_small.cu, bench/results/h100x1_2026-12-07.txt); on hosts where the kernel reads at
+  // 51 GB/s there is little to win and the enqueue was ~1.2 us a run. Opt-in (an A/B switch of the bench,
+  // read per bucket) until loads measure it.
+  static int64_t host_batch_min() {
+    const char* v = std::getenv("COALESCED_BCAST_HOST_BATCH_MIN");
+    return v == nullptr ? 0 : std::strtoll(v, nullptr, 10);
+  }
+
+  // The staged runs (all pinned) of host_batch_min() bytes or more, contiguous, queued up to `dev` through the
+  // copy engine on the batch stream, which forks from the copy lane here and is joined back (batch_done_)
+  // after the kernel's launch. Returns that minimum, or 0 where none went so.
+  int64_t batch_host_reads(uint8_t* dev) {
+#if CUDART_VERSION >= 12080
+    const int64_t min = host_batch_min();
+    if (min <= 0 || min >= kDirectMin) return 0;
+    batch_dst_.clear();
+    batch_src_.clear();
+    batch_len_.clear();
+    for (const auto& op : staged_) {
+      if (op.layout >= 0 || op.nbytes < min) continue;
+      batch_dst_.push_back(dev + op.bucket_offset);
+      batch_src_.push_back(reinterpret_cast<const uint8_t*>(op.tensor_ptr) + op.tensor_offset);
+      batch_len_.push_back(static_cast<size_t>(op.nbytes));
+    }
+    if (batch_dst_.empty()) return 0;
+    if (!batch_) batch_ = at::cuda::getStreamFromPool(/*isHighPriority=*/false, plan_.device.index());
+    at::cuda::CUDAEvent fork;
+    fork.record(copy_);  // the slot is free on the copy lane: the batch writes it after that, as the kernel does
+    fork.block(*batch_);
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t attr_index = 0;
+    constexpr size_t kPerCall = 512;
+    for (size_t lo = 0; lo < batch_dst_.size(); lo += kPerCall) {
+      const size_t count = std::min(kPerCall, batch_dst_.size() - lo);
+#if CUDART_VERSION >= 13000
+      C10_CUDA_CHECK(cudaMemcpyBatchAsync(batch_dst_.data() + lo, batch_src_.data() + lo, batch_len_.data() + lo,
+                                          count, &attr, &attr_index, 1, batch_->stream()));
+#else
+      size_t failed = 0;
+      C10_CUDA_CHECK(cudaMemcpyBatchAsync(batch_dst_.data() + lo, const_cast<void**>(batch_src_.data() + lo),
+                                          batch_len_.data() + lo, count, &attr, &attr_index, 1, &failed,
+                                          batch_->stream()));
+#endif
+    }
+    batch_done_.record(*batch_);
+    return min;
+#else
+    (void)dev;
+    return 0;
+#endif
   }
 
   // Host run i when the copy engine takes it straight from the caller's pinned tensor.
@@ -410,8 +471,11 @@ class CudaExecutor final : public Executor {
     // Strided runs are read element by element, a bus transaction each: a few are cheaper read so than
     // staged, a bucket's worth is not (the threads gather them from host memory instead).
     if (others_pinned && strided_bytes < kDirectMin && kernel_reads_host()) {
+      const int64_t batched_min = batch_host_reads(dev);
+      // Skips exactly the direct runs (all are pinned) and the batched ones.
       launch_copy_bucket(dev, b.nbytes, host_ops_ + b.first_host, b.num_host, layouts_, /*pack=*/true,
-                         copy_.stream(), /*skip_min=*/kDirectMin);  // skips exactly the direct runs: all are pinned
+                         copy_.stream(), /*skip_min=*/batched_min > 0 ? batched_min : kDirectMin);
+      if (batched_min > 0) batch_done_.block(copy_);
       return;
     }
     if (!host_ring_.defined()) {
@@ -598,6 +662,13 @@ class CudaExecutor final : public Executor {
   const bool join_copies_;  // adjacent direct runs in one copy
   std::unordered_map<uint64_t, bool> pinned_;
   std::vector<CopyOp> staged_;
+  // The batched host reads (batch_host_reads): their stream, made at the first, the event the copy lane waits
+  // on, and one bucket's arguments.
+  std::optional<at::cuda::CUDAStream> batch_;
+  at::cuda::CUDAEvent batch_done_;
+  std::vector<void*> batch_dst_;
+  std::vector<const void*> batch_src_;
+  std::vector<size_t> batch_len_;
 };
 
 std::unique_ptr<Executor> make_cuda_executor(const Plan& plan) {

@@ -74,12 +74,15 @@ def test_load_mixed_sources_on_one_gpu(copy_blocks, monkeypatch):
     run_ranks(1, _mixed_body, backend="nccl", timeout=200)
 
 
-@pytest.mark.parametrize("host_read", [None, "stage"])
+@pytest.mark.parametrize("host_read", [None, "stage", "batch"])
 def test_load_pinned_sources_on_one_gpu(host_read, monkeypatch):
     """Every source tensor pinned (contiguous and strided, small and large): the copy kernel reads the
     small and strided runs from host memory, the copy engine the large ones; host_read=stage: through the
-    host ring instead (COALESCED_BCAST_HOST_READ, the bench's A/B switch)."""
-    if host_read:
+    host ring instead (COALESCED_BCAST_HOST_READ, the bench's A/B switch); batch: the contiguous runs of
+    256 bytes or more by the copy engine in batches beside the kernel (COALESCED_BCAST_HOST_BATCH_MIN)."""
+    if host_read == "batch":
+        monkeypatch.setenv("COALESCED_BCAST_HOST_BATCH_MIN", "256")
+    elif host_read:
         monkeypatch.setenv("COALESCED_BCAST_HOST_READ", host_read)
     run_ranks(1, _mixed_body, True, backend="nccl", timeout=200)
 
