@@ -84,9 +84,11 @@ static Best best_of(int reps, char* dev, size_t total, cudaStream_t s, cudaEvent
 }
 
 #if CUDART_VERSION >= 12080
-static void batch_copy(void** dsts, const void** srcs, size_t* sizes, size_t n, cudaStream_t st) {
+// n copies through the copy engine in one cudaMemcpyBatchAsync (its signature as of CUDA 13.0, or 12.8's).
+static void batch_copy(void** dsts, const void** srcs, size_t* sizes, size_t n, cudaStream_t st,
+                       cudaMemcpySrcAccessOrder order = cudaMemcpySrcAccessOrderStream) {
   cudaMemcpyAttributes attr{};
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.srcAccessOrder = order;
   size_t idx = 0;
 #if CUDART_VERSION >= 13000
   CK(cudaMemcpyBatchAsync(dsts, srcs, sizes, n, &attr, &idx, 1, st));
@@ -150,12 +152,12 @@ static void mixed_case(int reps, cudaStream_t s, cudaStream_t s2, cudaEvent_t a,
   time("kernel 256 thr x 8 loads", [&] { gather<8><<<all_count, 256, 0, s>>>(all_runs); });
 #if CUDART_VERSION >= 12080
   for (size_t t : {(size_t)16 << 10, (size_t)32 << 10, (size_t)64 << 10, ~size_t(0)}) {
+    const bool alone = t == ~size_t(0);
     size_t small_count = 0;
-    Run* small = runs_of(t, &small_count);
+    Run* small = runs_of(alone ? 0 : t, &small_count);
     std::vector<void*> dsts;
     std::vector<const void*> srcs;
     std::vector<size_t> lens;
-    const bool alone = t == ~size_t(0);
     for (size_t i = 0; i < n; ++i)
       if (alone || sizes[i] >= t) {
         dsts.push_back(dev + offsets[i]);
@@ -163,7 +165,7 @@ static void mixed_case(int reps, cudaStream_t s, cudaStream_t s2, cudaEvent_t a,
         lens.push_back(sizes[i]);
       }
     char name[64];
-    if (t == ~size_t(0)) {
+    if (alone) {
       std::snprintf(name, sizeof name, "batch all, 512 a call");
     } else {
       std::snprintf(name, sizeof name, "kernel < %zuK + batch >= (%zu)", t >> 10, dsts.size());
@@ -260,23 +262,13 @@ int main(int argc, char** argv) {
 #if CUDART_VERSION >= 12080
     for (int order : {(int)cudaMemcpySrcAccessOrderStream, (int)cudaMemcpySrcAccessOrderAny}) {
       for (size_t chunk : {n, (size_t)std::max<size_t>(1, (32u << 20) / size)}) {
-        cudaMemcpyAttributes attr{};
-        attr.srcAccessOrder = static_cast<cudaMemcpySrcAccessOrder>(order);
-        size_t idx = 0;
         char name[64];
         std::snprintf(name, sizeof name, "batch %s, %zu a call", order == cudaMemcpySrcAccessOrderAny ? "any" : "stream",
                       std::min(chunk, n));
         time(name, [&] {
-          for (size_t lo = 0; lo < n; lo += chunk) {
-            const size_t cnt = std::min(chunk, n - lo);
-#if CUDART_VERSION >= 13000
-            CK(cudaMemcpyBatchAsync(dsts.data() + lo, srcs.data() + lo, sizes.data() + lo, cnt, &attr, &idx, 1, s));
-#else
-            size_t fail = 0;
-            CK(cudaMemcpyBatchAsync(dsts.data() + lo, const_cast<void**>(srcs.data() + lo), sizes.data() + lo, cnt,
-                                    &attr, &idx, 1, &fail, s));
-#endif
-          }
+          for (size_t lo = 0; lo < n; lo += chunk)
+            batch_copy(dsts.data() + lo, srcs.data() + lo, sizes.data() + lo, std::min(chunk, n - lo), s,
+                       static_cast<cudaMemcpySrcAccessOrder>(order));
         }, true);
       }
     }
