@@ -397,17 +397,23 @@ class CudaExecutor final : public Executor {
     attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
     size_t attr_index = 0;
     constexpr size_t kPerCall = 512;
-    for (size_t lo = 0; lo < batch_dst_.size(); lo += kPerCall) {
-      const size_t count = std::min(kPerCall, batch_dst_.size() - lo);
+    try {
+      for (size_t lo = 0; lo < batch_dst_.size(); lo += kPerCall) {
+        const size_t count = std::min(kPerCall, batch_dst_.size() - lo);
 #if CUDART_VERSION >= 13000
-      C10_CUDA_CHECK(cudaMemcpyBatchAsync(batch_dst_.data() + lo, batch_src_.data() + lo, batch_len_.data() + lo,
-                                          count, &attr, &attr_index, 1, batch_->stream()));
+        C10_CUDA_CHECK(cudaMemcpyBatchAsync(batch_dst_.data() + lo, batch_src_.data() + lo, batch_len_.data() + lo,
+                                            count, &attr, &attr_index, 1, batch_->stream()));
 #else
-      size_t failed = 0;
-      C10_CUDA_CHECK(cudaMemcpyBatchAsync(batch_dst_.data() + lo, const_cast<void**>(batch_src_.data() + lo),
-                                          batch_len_.data() + lo, count, &attr, &attr_index, 1, &failed,
-                                          batch_->stream()));
+        size_t failed = 0;
+        C10_CUDA_CHECK(cudaMemcpyBatchAsync(batch_dst_.data() + lo, const_cast<void**>(batch_src_.data() + lo),
+                                            batch_len_.data() + lo, count, &attr, &attr_index, 1, &failed,
+                                            batch_->stream()));
 #endif
+      }
+    } catch (...) {  // the copies queued so far still come before the copy lane's end, which the unwinding waits for
+      batch_done_.record(*batch_);
+      batch_done_.block(copy_);
+      throw;
     }
     batch_done_.record(*batch_);
     return min;
@@ -472,10 +478,19 @@ class CudaExecutor final : public Executor {
     // staged, a bucket's worth is not (the threads gather them from host memory instead).
     if (others_pinned && strided_bytes < kDirectMin && kernel_reads_host()) {
       const int64_t batched_min = batch_host_reads(dev);
+      // The batched copies join the copy lane after the kernel's launch, or as a failed launch unwinds (so that
+      // the end's wait on the copy lane covers them); a destructor must not throw: the wait's error is left to
+      // the lane's next call.
+      struct Join {
+        cudaEvent_t done;
+        cudaStream_t lane;
+        ~Join() {
+          if (done != nullptr) (void)cudaStreamWaitEvent(lane, done, 0);
+        }
+      } join{batched_min > 0 ? batch_done_.event() : nullptr, copy_.stream()};
       // Skips exactly the direct runs (all are pinned) and the batched ones.
       launch_copy_bucket(dev, b.nbytes, host_ops_ + b.first_host, b.num_host, layouts_, /*pack=*/true,
                          copy_.stream(), /*skip_min=*/batched_min > 0 ? batched_min : kDirectMin);
-      if (batched_min > 0) batch_done_.block(copy_);
       return;
     }
     if (!host_ring_.defined()) {
