@@ -216,7 +216,8 @@ class Bench:
         if not self.cpu:
             row.update(extra_alloc_GiB=extra_a / GiB, extra_reserved_GiB=extra_r / GiB)
         if isinstance(out, coalesced_bcast.LoadStats):
-            row.update(ring_bytes=out.ring_bytes, host_ring_bytes=out.host_ring_bytes, buckets=out.buckets)
+            row.update(ring_bytes=out.ring_bytes, host_ring_bytes=out.host_ring_bytes, buckets=out.buckets,
+                       host_batched_bytes=out.host_batched_bytes)
         return row
 
     @staticmethod

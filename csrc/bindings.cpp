@@ -756,12 +756,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               py::gil_scoped_release release;
               stats = broadcast_plan(plan, pg, src, timeout, p, h, leave_host_reads, prepared);
             }
-            if (!leave_host_reads) return py::make_tuple(stats.seconds, stats.ring_bytes, stats.host_ring_bytes);
-            return py::make_tuple(stats.seconds, stats.ring_bytes, stats.host_ring_bytes, stats.host_reads);
+            if (!leave_host_reads) {
+              return py::make_tuple(stats.seconds, stats.ring_bytes, stats.host_ring_bytes, stats.host_batched_bytes);
+            }
+            return py::make_tuple(stats.seconds, stats.ring_bytes, stats.host_ring_bytes, stats.host_batched_bytes,
+                                  stats.host_reads);
           },
           py::arg("group"), py::arg("src"), py::arg("timeout_s") = 0.0, py::arg("progress") = py::none(),
           py::arg("progress_seconds") = 0.0, py::arg("hook") = py::none(), py::arg("leave_host_reads") = false,
           py::arg("prepared") = nullptr,
-          "prepared: from prepare(), on the same plan and layout. With leave_host_reads, a fourth value: the copies of the source's host memory still running "
-          "(HostReads, or None), for the caller to wait() on before it returns");
+          "Returns (host seconds, device ring bytes, pinned host ring bytes, host bytes sent up by batched copies). "
+          "prepared: from prepare(), on the same plan and layout. With leave_host_reads, a fifth value: the copies of "
+          "the source's host memory still running (HostReads, or None), for the caller to wait() on before it returns");
 }

@@ -81,6 +81,10 @@ class Executor {
   virtual int64_t host_bytes() const {
     return 0;
   }
+  // Bytes of host runs that went up through batched copy-engine copies (COALESCED_BCAST_HOST_BATCH_MIN).
+  virtual int64_t host_batched_bytes() const {
+    return 0;
+  }
   // Copy bucket k between the tensors and a ring slot, on the copy lane: a
   // load's pack also brings the runs that live in host memory.
   virtual void pack(int64_t bucket, at::Tensor slot) = 0;

@@ -235,6 +235,10 @@ class CudaExecutor final : public Executor {
     return (host_ring_.defined() ? host_ring_.numel() : 0) + (unstage_ring_.defined() ? unstage_ring_.numel() : 0);
   }
 
+  int64_t host_batched_bytes() const override {
+    return batched_bytes_;
+  }
+
   void pack(int64_t bucket, at::Tensor slot) override {
     if (plan_.buckets.at(bucket).num_ops > 0) launch(bucket, slot, /*pack=*/true);
     if (plan_.buckets.at(bucket).num_host > 0) stage(bucket, slot);
@@ -416,6 +420,7 @@ class CudaExecutor final : public Executor {
       throw;
     }
     batch_done_.record(*batch_);
+    for (const size_t len : batch_len_) batched_bytes_ += static_cast<int64_t>(len);
     return min;
 #else
     (void)dev;
@@ -678,12 +683,13 @@ class CudaExecutor final : public Executor {
   std::unordered_map<uint64_t, bool> pinned_;
   std::vector<CopyOp> staged_;
   // The batched host reads (batch_host_reads): their stream, made at the first, the event the copy lane waits
-  // on, and one bucket's arguments.
+  // on, one bucket's arguments, and the bytes queued so (the run's stats).
   std::optional<at::cuda::CUDAStream> batch_;
   at::cuda::CUDAEvent batch_done_;
   std::vector<void*> batch_dst_;
   std::vector<const void*> batch_src_;
   std::vector<size_t> batch_len_;
+  int64_t batched_bytes_ = 0;
 };
 
 std::unique_ptr<Executor> make_cuda_executor(const Plan& plan) {

@@ -144,6 +144,7 @@ PreparedRun::PreparedRun(const Plan& p, bool src, bool pack, at::Tensor ring, Pr
       // run waits for them with its own, which come after them on the same lane.
       auto taken = std::move(early->run->exec);
       early_host_bytes = taken->host_bytes();
+      early_batched_bytes = taken->host_batched_bytes();
       early_reads = taken->end_leaving_host_reads();
     }
     // Not taken: its end orders the caller's stream after its packs and waits for their reads of host memory.
@@ -353,6 +354,7 @@ RunStats broadcast_plan(
   at::Tensor table;
   std::shared_ptr<HostReads> early_reads;
   int64_t early_host_bytes = 0;
+  int64_t early_batched_bytes = 0;
   int64_t prepacked = 0;  // the source's buckets packed before the agreement
   int64_t present = 0;    // buckets broadcast before it (speculate)
   std::vector<c10::intrusive_ptr<c10d::Work>> early_works;
@@ -370,6 +372,7 @@ RunStats broadcast_plan(
     table = prepared->table;  // where the ring came from a Prepack, its own: held to the end of the run
     early_reads = std::move(prepared->early_reads);
     early_host_bytes = prepared->early_host_bytes;
+    early_batched_bytes = prepared->early_batched_bytes;
     prepacked = prepared->packed;
     present = prepared->sent;
     early_works = std::move(prepared->works);
@@ -445,6 +448,7 @@ RunStats broadcast_plan(
     throw;
   }
   stats.host_ring_bytes = exec->host_bytes() + early_host_bytes;
+  stats.host_batched_bytes = exec->host_batched_bytes() + early_batched_bytes;
   if (leave_host_reads) {
     stats.host_reads = joined(exec->end_leaving_host_reads(), std::move(early_reads));
   } else {

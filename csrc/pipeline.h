@@ -22,6 +22,7 @@ struct RunStats {
   double seconds = 0;            // host wall time of the call (work may still be queued on CUDA)
   int64_t ring_bytes = 0;        // device bytes held for the ring and its copy table
   int64_t host_ring_bytes = 0;   // pinned host bytes of a load's host stage (its source)
+  int64_t host_batched_bytes = 0;  // source bytes of runs sent up by batched copy-engine copies (HOST_BATCH_MIN)
   std::shared_ptr<HostReads> host_reads;  // with leave_host_reads: the copies of host memory still running
 };
 
@@ -91,9 +92,11 @@ struct PreparedRun {
   at::Tensor arena;
   at::Tensor table;    // the copy table, where the ring came from a Prepack (an allocation of its own)
   // That Prepack's copies of host memory, left running (no host wait when taken): done before this run's own,
-  // on the same copy lane, and waited for with them. And the pinned host bytes it staged through.
+  // on the same copy lane, and waited for with them. And the pinned host bytes it staged through, and its
+  // batched host bytes.
   std::shared_ptr<HostReads> early_reads;
   int64_t early_host_bytes = 0;
+  int64_t early_batched_bytes = 0;
   int64_t packed = 0;  // the source's buckets [0, packed) are in their slots (direct ones need none)
   int64_t prepacked = 0;  // of those, the buckets a Prepack packed
   int64_t sent = 0;    // buckets [0, sent) broadcast by speculate()

@@ -64,6 +64,14 @@ def _mixed_body(rank, world_size, pinned_only=False):
         if pinned_only:  # the host ring is only made for runs that the copy kernel does not read
             staged = os.environ.get("COALESCED_BCAST_HOST_READ") == "stage"
             assert (stats.host_ring_bytes > 0) == staged, stats
+            # HOST_BATCH_MIN=256: contiguous pinned runs of 256 B up to 256 KiB (the small tensors, and the
+            # pieces of large ones that buckets cut) went up through the batched copies; none without it
+            batched = stats.host_batched_bytes
+            if os.environ.get("COALESCED_BCAST_HOST_BATCH_MIN"):
+                contiguous = sum(v.nbytes for k, v in sd.items() if k not in expanded and v.is_contiguous())
+                assert 0 < batched <= contiguous, (stats, contiguous)
+            else:
+                assert batched == 0, stats
 
 
 @pytest.mark.parametrize("copy_blocks", [None, "2"])

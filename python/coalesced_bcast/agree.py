@@ -183,8 +183,9 @@ def payload_broadcast(plan, pg: dist.ProcessGroup, src: int, timeout: Optional[f
                       progress_seconds: float = 0.0, leave_host_reads: bool = False, prepared=None):
     """plan.broadcast (the C++ core), with a failure turned into a CollectiveError that says what it means.
 
-    Returns (host seconds, device ring bytes, pinned host ring bytes); with leave_host_reads, a fourth value:
-    the copies of a load source's host memory still running (None if there are none), for host_reads_wait."""
+    Returns (host seconds, device ring bytes, pinned host ring bytes, host bytes sent up by batched copies); with
+    leave_host_reads, a fifth value: the copies of a load source's host memory still running (None if there are
+    none), for host_reads_wait."""
     timeout = as_timedelta(timeout)
     with _payload_failure(pg, timeout):
         return plan.broadcast(pg, src, timeout.total_seconds() if timeout is not None else 0.0, progress,

@@ -554,7 +554,7 @@ class RefitReceiver:
         verify = bool(flags & _FLAG_VERIFY)
         hasher = _Hasher(self._views) if verify else None
         try:
-            seconds, ring, _ = self._plan.broadcast(pg, self.src, timeout.total_seconds() if timeout else 0.0,
+            seconds, ring, *_ = self._plan.broadcast(pg, self.src, timeout.total_seconds() if timeout else 0.0,
                                                     None, 0.0, self._hook(hasher))
         except RuntimeError as e:
             raise CollectiveError(f"coalesced_bcast: the refit transfer failed on refit rank {pg.rank()}: {e}") from e

@@ -72,6 +72,9 @@ class LoadStats:
     direct_buckets: int = 0
     # the source's first buckets, read from the checkpoint's host memory into its ring while it planned
     prepacked_buckets: int = 0
+    # the source's host bytes sent up by batched copy-engine copies beside the copy kernel
+    # (COALESCED_BCAST_HOST_BATCH_MIN)
+    host_batched_bytes: int = 0
 
 
 #: A load's ring slot. Half a sync's: a load's bytes all go through the ring (each rank writes its own
@@ -213,7 +216,7 @@ def load_full_state_dict(
         keys=plan.num_keys, tensors=tensors, bytes=nbytes, buckets=buckets,
         cast_keys=plan.cast_keys, missing_keys=tuple(plan.missing), unexpected_keys=tuple(plan.unexpected),
         ring_bytes=plan.ring_bytes, host_ring_bytes=plan.host_ring_bytes, seconds=time.perf_counter() - t0,
-        direct_buckets=direct, prepacked_buckets=plan.prepacked)
+        direct_buckets=direct, prepacked_buckets=plan.prepacked, host_batched_bytes=plan.host_batched_bytes)
     if is_src:
         logger.info("load_full_state_dict: loaded %d keys (%d tensors, %.3f GiB, %d buckets, %d cast) in %.3f s, "
                     "%.2f GB/s", stats.keys, stats.tensors, stats.bytes / 2**30, stats.buckets, stats.cast_keys,
@@ -635,6 +638,7 @@ class _Plan:
         self.prepacked = 0  # of its buckets, those packed while the source planned (_prepack)
         self.ring_bytes = 0
         self.host_ring_bytes = 0
+        self.host_batched_bytes = 0
 
 
 def _plan_local(model: nn.Module, model_sd: Optional[Mapping[str, Any]], model_keys: _ModelState,
@@ -1101,8 +1105,8 @@ def _transfer(plan: _Plan, pg: dist.ProcessGroup, src_g: int, is_src: bool, time
                                 leave_host_reads=leave, prepared=prepared)
     finally:
         prepared = None
-    plan.ring_bytes, plan.host_ring_bytes = out[1], out[2]
-    return core.num_buckets, out[3] if leave else None
+    plan.ring_bytes, plan.host_ring_bytes, plan.host_batched_bytes = out[1], out[2], out[3]
+    return core.num_buckets, out[4] if leave else None
 
 
 def _feed_plan() -> bool:

@@ -306,7 +306,7 @@ class SyncPlan:
             if dropped and self._speculate and _PREPARE and plan.can_prepare:
                 prepared = plan.prepare(is_src)  # a ring to keep, so that the next run speculates again
             t_agreed, t_sent = time.perf_counter(), time.monotonic()
-            enqueue_seconds, ring_bytes, _ = payload_broadcast(plan, pg, self._src_group, timeout, prepared=prepared)
+            enqueue_seconds, ring_bytes, *_ = payload_broadcast(plan, pg, self._src_group, timeout, prepared=prepared)
             speculated = prepared.sent if prepared is not None else 0
             if self._speculate and prepared is not None:
                 self._agreed, self._ring = (plan, plan.layout_generation), prepared.ring
