@@ -25,6 +25,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <deque>
@@ -363,17 +364,24 @@ class CudaExecutor final : public Executor {
     return v == nullptr || std::string(v) != "stage";
   }
 
-  // COALESCED_BCAST_HOST_BATCH_MIN=N (bytes, under kDirectMin; unset: none): where the copy kernel reads a
-  // bucket's small pinned runs, those of N bytes or more go up through the copy engine instead, fed by
-  // cudaMemcpyBatchAsync (512 runs a call) on a stream of their own beside the kernel. On an H100 host whose
-  // kernel read pinned memory at 34.8 GB/s (one copy 55.2), the two side by side moved 1 GiB in 25.1 ms
-  // against 30.8 for the kernel alone, and the batch alone 64 KiB runs at 54 GB/s for 0.57 us of host enqueue
-  // a run (bench/perf/h2d_small.cu, bench/results/h100x1_2026-12-07.txt); on hosts where the kernel reads at
-  // 51 GB/s there is little to win and the enqueue was ~1.2 us a run. Opt-in (an A/B switch of the bench,
-  // read per bucket) until loads measure it.
+  // Where the copy kernel reads a bucket's small pinned runs, those of host_batch_min() bytes or more go up
+  // through the copy engine instead, fed by cudaMemcpyBatchAsync (512 runs a call) on a stream of their own
+  // beside the kernel. On H100 hosts whose kernel read pinned memory at 34 GB/s (one copy 55), a 16,384-key
+  // FSDP2 load from pinned memory took 46 ms at 32 KiB against 61 ms with the kernel reading every run (49 ms
+  // at 64 KiB), and 16,384 buffers of 512 B-128 KiB went up in 20.5 ms against 31.7 (bench/results/
+  // h100x1_2026-12-07b.txt); the batch's host enqueue, 0.6-1.2 us a run, is under the device time of a run of
+  // 32 KiB. COALESCED_BCAST_HOST_BATCH_MIN=N (bytes; 0: none, the kernel reads every run) is the bench's A/B
+  // switch, read per bucket.
+  static constexpr int64_t kHostBatchMin = 32 << 10;
   static int64_t host_batch_min() {
     const char* v = std::getenv("COALESCED_BCAST_HOST_BATCH_MIN");
-    return v == nullptr ? 0 : std::strtoll(v, nullptr, 10);
+    return v == nullptr ? kHostBatchMin : std::strtoll(v, nullptr, 10);
+  }
+  // A driver older than the runtime (CUDA's minor-version compatibility) may lack cudaMemcpyBatchAsync: then
+  // the kernel reads every run, in this process from then on.
+  static std::atomic<bool>& batch_unsupported() {
+    static std::atomic<bool> flag{false};
+    return flag;
   }
 
   // The staged runs (all pinned) of host_batch_min() bytes or more, contiguous, queued up to `dev` through the
@@ -382,7 +390,7 @@ class CudaExecutor final : public Executor {
   int64_t batch_host_reads(uint8_t* dev) {
 #if CUDART_VERSION >= 12080
     const int64_t min = host_batch_min();
-    if (min <= 0 || min >= kDirectMin) return 0;
+    if (min <= 0 || min >= kDirectMin || batch_unsupported().load(std::memory_order_relaxed)) return 0;
     batch_dst_.clear();
     batch_src_.clear();
     batch_len_.clear();
@@ -405,14 +413,21 @@ class CudaExecutor final : public Executor {
       for (size_t lo = 0; lo < batch_dst_.size(); lo += kPerCall) {
         const size_t count = std::min(kPerCall, batch_dst_.size() - lo);
 #if CUDART_VERSION >= 13000
-        C10_CUDA_CHECK(cudaMemcpyBatchAsync(batch_dst_.data() + lo, batch_src_.data() + lo, batch_len_.data() + lo,
-                                            count, &attr, &attr_index, 1, batch_->stream()));
+        const cudaError_t err = cudaMemcpyBatchAsync(batch_dst_.data() + lo, batch_src_.data() + lo,
+                                                     batch_len_.data() + lo, count, &attr, &attr_index, 1,
+                                                     batch_->stream());
 #else
         size_t failed = 0;
-        C10_CUDA_CHECK(cudaMemcpyBatchAsync(batch_dst_.data() + lo, const_cast<void**>(batch_src_.data() + lo),
-                                            batch_len_.data() + lo, count, &attr, &attr_index, 1, &failed,
-                                            batch_->stream()));
+        const cudaError_t err = cudaMemcpyBatchAsync(batch_dst_.data() + lo, const_cast<void**>(batch_src_.data() + lo),
+                                                     batch_len_.data() + lo, count, &attr, &attr_index, 1, &failed,
+                                                     batch_->stream());
 #endif
+        if (lo == 0 && (err == cudaErrorCallRequiresNewerDriver || err == cudaErrorNotSupported)) {
+          (void)cudaGetLastError();  // not sticky: cleared, and nothing was queued
+          batch_unsupported().store(true, std::memory_order_relaxed);
+          return 0;
+        }
+        C10_CUDA_CHECK(err);
       }
     } catch (...) {  // the copies queued so far still come before the copy lane's end, which the unwinding waits for
       batch_done_.record(*batch_);

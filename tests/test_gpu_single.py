@@ -64,14 +64,18 @@ def _mixed_body(rank, world_size, pinned_only=False):
         if pinned_only:  # the host ring is only made for runs that the copy kernel does not read
             staged = os.environ.get("COALESCED_BCAST_HOST_READ") == "stage"
             assert (stats.host_ring_bytes > 0) == staged, stats
-            # HOST_BATCH_MIN=256: contiguous pinned runs of 256 B up to 256 KiB (the small tensors, and the
-            # pieces of large ones that buckets cut) went up through the batched copies; none without it
+            # The contiguous pinned runs of HOST_BATCH_MIN bytes up to 256 KiB (the small tensors, and the
+            # pieces of large ones that buckets cut) go up through the batched copies: with 256, some; with 0
+            # or through the host ring, none; by default (32 KiB), none or at least one such run
             batched = stats.host_batched_bytes
-            if os.environ.get("COALESCED_BCAST_HOST_BATCH_MIN"):
-                contiguous = sum(v.nbytes for k, v in sd.items() if k not in expanded and v.is_contiguous())
+            contiguous = sum(v.nbytes for k, v in sd.items() if k not in expanded and v.is_contiguous())
+            batch_min = os.environ.get("COALESCED_BCAST_HOST_BATCH_MIN")
+            if staged or batch_min == "0":
+                assert batched == 0, stats
+            elif batch_min == "256":
                 assert 0 < batched <= contiguous, (stats, contiguous)
             else:
-                assert batched == 0, stats
+                assert batched == 0 or 32 << 10 <= batched <= contiguous, (stats, contiguous)
 
 
 @pytest.mark.parametrize("copy_blocks", [None, "2"])
@@ -82,14 +86,15 @@ def test_load_mixed_sources_on_one_gpu(copy_blocks, monkeypatch):
     run_ranks(1, _mixed_body, backend="nccl", timeout=200)
 
 
-@pytest.mark.parametrize("host_read", [None, "stage", "batch"])
+@pytest.mark.parametrize("host_read", [None, "kernel", "stage", "batch"])
 def test_load_pinned_sources_on_one_gpu(host_read, monkeypatch):
     """Every source tensor pinned (contiguous and strided, small and large): the copy kernel reads the
-    small and strided runs from host memory, the copy engine the large ones; host_read=stage: through the
-    host ring instead (COALESCED_BCAST_HOST_READ, the bench's A/B switch); batch: the contiguous runs of
-    256 bytes or more by the copy engine in batches beside the kernel (COALESCED_BCAST_HOST_BATCH_MIN)."""
-    if host_read == "batch":
-        monkeypatch.setenv("COALESCED_BCAST_HOST_BATCH_MIN", "256")
+    small and strided runs from host memory (those of 32 KiB or more, contiguous, the copy engine in batches
+    beside it), the copy engine the large ones; kernel: the copy kernel reads every small run
+    (COALESCED_BCAST_HOST_BATCH_MIN=0); batch: the contiguous runs of 256 bytes or more by the batches;
+    stage: through the host ring instead (COALESCED_BCAST_HOST_READ), the bench's A/B switches."""
+    if host_read in ("kernel", "batch"):
+        monkeypatch.setenv("COALESCED_BCAST_HOST_BATCH_MIN", "0" if host_read == "kernel" else "256")
     elif host_read:
         monkeypatch.setenv("COALESCED_BCAST_HOST_READ", host_read)
     run_ranks(1, _mixed_body, True, backend="nccl", timeout=200)
