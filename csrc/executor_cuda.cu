@@ -377,8 +377,9 @@ class CudaExecutor final : public Executor {
     const char* v = std::getenv("COALESCED_BCAST_HOST_BATCH_MIN");
     return v == nullptr ? kHostBatchMin : std::strtoll(v, nullptr, 10);
   }
-  // A driver older than the runtime (CUDA's minor-version compatibility) may lack cudaMemcpyBatchAsync: then
-  // the kernel reads every run, in this process from then on.
+  // A driver older than the runtime (CUDA's minor-version compatibility) may lack cudaMemcpyBatchAsync, and
+  // the CUDA 12.8-12.9 signature (torch's cu128 and cu129 wheels) is only known to compile: where
+  // the first call of a batch fails, the kernel reads every run, in this process from then on.
   static std::atomic<bool>& batch_unsupported() {
     static std::atomic<bool> flag{false};
     return flag;
@@ -422,9 +423,16 @@ class CudaExecutor final : public Executor {
                                                      batch_len_.data() + lo, count, &attr, &attr_index, 1, &failed,
                                                      batch_->stream());
 #endif
-        if (lo == 0 && (err == cudaErrorCallRequiresNewerDriver || err == cudaErrorNotSupported)) {
-          (void)cudaGetLastError();  // not sticky: cleared, and nothing was queued
+        if (lo == 0 && err != cudaSuccess) {
+          // Nothing is queued yet, so the kernel can read these runs as it did before this path was the
+          // default: a driver without the call (cudaErrorCallRequiresNewerDriver, cudaErrorNotSupported), or
+          // one that refuses its arguments. Cleared; a sticky error would come back at the kernel's launch.
+          (void)cudaGetLastError();
           batch_unsupported().store(true, std::memory_order_relaxed);
+          if (err != cudaErrorCallRequiresNewerDriver && err != cudaErrorNotSupported) {
+            TORCH_WARN_ONCE("coalesced_bcast: cudaMemcpyBatchAsync failed (", cudaGetErrorName(err), ": ",
+                            cudaGetErrorString(err), "); the copy kernel reads every small pinned run from now on");
+          }
           return 0;
         }
         C10_CUDA_CHECK(err);
