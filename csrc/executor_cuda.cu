@@ -384,6 +384,12 @@ class CudaExecutor final : public Executor {
     static std::atomic<bool> flag{false};
     return flag;
   }
+  // COALESCED_BCAST_HOST_BATCH_REFUSE=1, for tests: the batch's first call names no source access order,
+  // which the runtime refuses, so that the fallback above runs on a driver that has the call.
+  static bool refuse_batch() {
+    const char* v = std::getenv("COALESCED_BCAST_HOST_BATCH_REFUSE");
+    return v != nullptr && std::string(v) == "1";
+  }
 
   // The staged runs (all pinned) of host_batch_min() bytes or more, contiguous, queued up to `dev` through the
   // copy engine on the batch stream, which forks from the copy lane here and is joined back (batch_done_)
@@ -407,7 +413,7 @@ class CudaExecutor final : public Executor {
     fork.record(copy_);  // the slot is free on the copy lane: the batch writes it after that, as the kernel does
     fork.block(*batch_);
     cudaMemcpyAttributes attr{};
-    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.srcAccessOrder = refuse_batch() ? cudaMemcpySrcAccessOrderInvalid : cudaMemcpySrcAccessOrderStream;
     size_t attr_index = 0;
     constexpr size_t kPerCall = 512;
     try {

@@ -5,8 +5,11 @@ copied straight from pinned memory and staged by threads), strided and expanded 
 
 Skipped without a GPU; bench/device_run.sh runs it (gputest).
 """
+import contextlib
 import os
+import tempfile
 import time
+import warnings
 
 import pytest
 import torch
@@ -35,6 +38,33 @@ def _mixed_body(rank, world_size, pinned_only=False):
     strided_pinned = {"p2"}  # 131 KB, read element by element by the copy kernel
     if pinned_only:  # every host run pinned: p0's large runs by the copy engine, the others by the copy kernel
         kinds = [lambda v: v.pin_memory()]
+    refused = os.environ.get("COALESCED_BCAST_HOST_BATCH_REFUSE") == "1"
+    if not refused:
+        _mixed_loads(dev, full, expanded, kinds, strided_pinned, pinned_only, refused)
+        return
+    # The runtime refuses the first load's first batch: one warning (c10 logs the extension's TORCH_WARN to
+    # stderr where no Python handler takes it), and the copy kernel reads every run of both loads.
+    with _stderr_kept() as logged, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _mixed_loads(dev, full, expanded, kinds, strided_pinned, pinned_only, refused)
+        text = logged() + "".join(str(w.message) for w in caught)
+    assert text.count("cudaMemcpyBatchAsync failed (") == 1, text[-2000:]
+
+
+@contextlib.contextmanager
+def _stderr_kept():
+    """This process's stderr (fd 2) into a file for the block; yields a function that reads it."""
+    with tempfile.TemporaryFile() as f:
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield lambda: (f.seek(0), f.read().decode(errors="replace"))[1]
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _mixed_loads(dev, full, expanded, kinds, strided_pinned, pinned_only, refused):
     for cast in (False, True):
         model = nn.Module()
         for k, v in full.items():
@@ -70,7 +100,7 @@ def _mixed_body(rank, world_size, pinned_only=False):
             batched = stats.host_batched_bytes
             contiguous = sum(v.nbytes for k, v in sd.items() if k not in expanded and v.is_contiguous())
             batch_min = os.environ.get("COALESCED_BCAST_HOST_BATCH_MIN")
-            if staged or batch_min == "0":
+            if staged or batch_min == "0" or refused:
                 assert batched == 0, stats
             elif batch_min == "256":
                 assert 0 < batched <= contiguous, (stats, contiguous)
@@ -86,15 +116,19 @@ def test_load_mixed_sources_on_one_gpu(copy_blocks, monkeypatch):
     run_ranks(1, _mixed_body, backend="nccl", timeout=200)
 
 
-@pytest.mark.parametrize("host_read", [None, "kernel", "stage", "batch"])
+@pytest.mark.parametrize("host_read", [None, "kernel", "stage", "batch", "refused"])
 def test_load_pinned_sources_on_one_gpu(host_read, monkeypatch):
     """Every source tensor pinned (contiguous and strided, small and large): the copy kernel reads the
     small and strided runs from host memory (those of 32 KiB or more, contiguous, the copy engine in batches
     beside it), the copy engine the large ones; kernel: the copy kernel reads every small run
     (COALESCED_BCAST_HOST_BATCH_MIN=0); batch: the contiguous runs of 256 bytes or more by the batches;
+    refused: as batch, but the runtime refuses the first batch (COALESCED_BCAST_HOST_BATCH_REFUSE, as a
+    driver without the call would): one warning, and the copy kernel reads every run of both loads;
     stage: through the host ring instead (COALESCED_BCAST_HOST_READ), the bench's A/B switches."""
-    if host_read in ("kernel", "batch"):
+    if host_read in ("kernel", "batch", "refused"):
         monkeypatch.setenv("COALESCED_BCAST_HOST_BATCH_MIN", "0" if host_read == "kernel" else "256")
+        if host_read == "refused":
+            monkeypatch.setenv("COALESCED_BCAST_HOST_BATCH_REFUSE", "1")
     elif host_read:
         monkeypatch.setenv("COALESCED_BCAST_HOST_READ", host_read)
     run_ranks(1, _mixed_body, True, backend="nccl", timeout=200)
