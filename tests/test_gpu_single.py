@@ -122,8 +122,9 @@ def test_load_pinned_sources_on_one_gpu(host_read, monkeypatch):
     small and strided runs from host memory (those of 32 KiB or more, contiguous, the copy engine in batches
     beside it), the copy engine the large ones; kernel: the copy kernel reads every small run
     (COALESCED_BCAST_HOST_BATCH_MIN=0); batch: the contiguous runs of 256 bytes or more by the batches;
-    refused: as batch, but the runtime refuses the first batch (COALESCED_BCAST_HOST_BATCH_REFUSE, as a
-    driver without the call would): one warning, and the copy kernel reads every run of both loads;
+    refused: as batch, but the runtime refuses the first batch's arguments (COALESCED_BCAST_HOST_BATCH_REFUSE):
+    one warning, and the copy kernel reads every run of both loads (a driver without the call takes the same
+    way, unwarned);
     stage: through the host ring instead (COALESCED_BCAST_HOST_READ), the bench's A/B switches."""
     if host_read in ("kernel", "batch", "refused"):
         monkeypatch.setenv("COALESCED_BCAST_HOST_BATCH_MIN", "0" if host_read == "kernel" else "256")
