@@ -342,6 +342,9 @@ def test_refit_direct_buckets_one_buffer_bitwise(direct):
 
 @pytest.mark.skipif(not hasattr(__import__("torch.distributed.fsdp").distributed.fsdp, "fully_shard"),
                     reason="the example trainer uses FSDP2's public fully_shard (torch >= 2.6)")
+@pytest.mark.skipif(not hasattr(torch.cpu.Stream, "record_event"),
+                    reason="FSDP2 trains on the CPU from torch 2.7 (torch 2.6's torch.cpu.Stream has no record_event, "
+                           "which its all-gather calls)")
 def test_examples_trainer_and_engine_on_cpu():
     """examples/refit_trainer.py (torchrun, 2 ranks, FSDP2) and examples/refit_engine.py (its own process,
     fused parameters) as the README runs them, on the CPU: every refit arrives and the last is verified."""

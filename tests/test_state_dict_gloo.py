@@ -385,10 +385,13 @@ def check_fsdp2(rank: int, ws: int) -> None:
     assert fp.sharded_param is model.l1.weight
     assert fp._sharded_param_data.data_ptr() == model.l1.weight._local_tensor.data_ptr()
     assert_same_as_reference(model, ref, "fsdp2, a parameter replaced")
-    # FSDP2's lazy init re-pads the shards on the first forward: the loaded values must survive it.
-    model.train(False)
-    model(torch.arange(vocab))
-    assert_same_as_reference(model, ref, "fsdp2 after a forward")
+    # FSDP2's lazy init re-pads the shards on the first forward: the loaded values must survive it. Torch
+    # 2.6's FSDP2 runs no forward on the CPU (its all-gather records an event on a torch.cpu.Stream, which
+    # has no record_event before 2.7): there the load is checked without it.
+    if hasattr(torch.cpu.Stream, "record_event"):
+        model.train(False)
+        model(torch.arange(vocab))
+        assert_same_as_reference(model, ref, "fsdp2 after a forward")
 
     # float32 checkpoint into a bfloat16 model: cast on arrival, bitwise as load_state_dict casts.
     model = build_fsdp2(mesh, dtype=torch.bfloat16, vocab=vocab)
