@@ -1,6 +1,8 @@
 """Main job: sync a sample model from rank 0 with coalesced_bcast and with torch's
-_broadcast_coalesced, and check both bitwise against the source. Launch with torchrun (2 ranks):
-gloo on CPU, NCCL when every rank has a GPU.
+_broadcast_coalesced, and check both bitwise against the source: gloo on CPU, NCCL when every rank
+has a GPU. scripts/demo.sh runs it; by hand:
+
+    torchrun --nproc-per-node 2 examples/sync_demo.py
 """
 import logging
 import os
