@@ -12,7 +12,7 @@ followed by a bitwise check of every engine tensor against the source pattern.
 State: Qwen3-30B-A3B-shaped, bf16, Hugging Face layout (48 layers, 128 experts of 2048x768 matrices,
 ~18.9k tensors, ~57 GiB); fully_shard per layer and at the root.
 
-GPU (2x H200):  python3 -m torch.distributed.run --standalone --nproc-per-node 3 bench/refit_bench.py
+GPU (2 GPUs):   python3 -m torch.distributed.run --standalone --nproc-per-node 3 bench/refit_bench.py
 CPU smoke test: python3 -m torch.distributed.run --standalone --nproc-per-node 3 bench/refit_bench.py --cpu
 One JSON line per rank and measurement, then 'summary' lines with the targets, written by every rank.
 """
@@ -313,24 +313,21 @@ class Bench:
             if self.rank == 2:
                 self.emit(what="bitwise check", case="unsharded", bucket_MiB=b, wrong=self.check_engine(views))
             del ours, step
-        # A/B: the same with every bucket through the ring slots (direct buckets off: a copy on each side)
-        os.environ["COALESCED_BCAST_DIRECT"] = "0"
-        try:
-            if self.rank == 0:
-                step = coalesced_bcast.RefitSender(list(zip(names, views)), self.refit,
-                                                   bucket_bytes=self.a.buckets[0] * MiB).send
-            else:
-                step = coalesced_bcast.RefitReceiver(self.refit, tensors=dict(zip(names, views))).receive
-            self.measure("coalesced_bcast unsharded first (plans), direct off", step, bucket_MiB=self.a.buckets[0])
-        finally:
-            del os.environ["COALESCED_BCAST_DIRECT"]
+        # The same with direct=False: every bucket through the ring slots (a copy on each side), what the
+        # broadcast from and into the tensors' own memory saves
+        if self.rank == 0:
+            step = coalesced_bcast.RefitSender(list(zip(names, views)), self.refit,
+                                               bucket_bytes=self.a.buckets[0] * MiB, direct=False).send
+        else:
+            step = coalesced_bcast.RefitReceiver(self.refit, tensors=dict(zip(names, views)), direct=False).receive
+        self.measure("coalesced_bcast unsharded first (plans), direct off", step, bucket_MiB=self.a.buckets[0])
         for rep in range(self.a.reps):
             self.measure("coalesced_bcast unsharded, direct off", step, rep=rep, bucket_MiB=self.a.buckets[0])
         if self.rank == 2:
             self.emit(what="bitwise check", case="unsharded, direct off", wrong=self.check_engine(views))
 
     def summary(self):
-        """Per measurement the slowest rank's time, and the issue's targets, from every rank's rows."""
+        """Per measurement the slowest rank's time, and the targets, from every rank's rows."""
         rows = [None] * dist.get_world_size()
         dist.all_gather_object(rows, self.rows)
         allrows = [r for rs in rows for r in rs]
