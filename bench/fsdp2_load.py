@@ -430,18 +430,20 @@ class Bench:
         rows = [r for rs in gathered for r in rs]
         h2d = [r for r in rows if r["kind"] == "h2d" and r["source"] == "pinned"]
         h2d_rate = max(r["one_copy_GBps"] for r in h2d) if h2d else None
-        loads = [r for r in rows if r["kind"] == "load"]
+        loads = [r for r in rows if r["kind"] == "load" and "sec" in r]  # (a baseline that raised has no time)
         out = []
         keys = sorted({(r["state"], r["source"], r["method"]) for r in loads})
+        by_key = {k: [r for r in loads if (r["state"], r["source"], r["method"]) == k] for k in keys}
         med = {}
-        for state, source, method in keys:
-            rs = [r for r in loads if (r["state"], r["source"], r["method"]) == (state, source, method)]
+        for k, rs in by_key.items():  # every method's median first: ours are compared with DCP's
             timed = [r for r in rs if not r["warmup"]] or rs
             per_rep: dict = {}
             for r in timed:
                 per_rep[r["rep"]] = max(per_rep.get(r["rep"], 0.0), r["sec"])  # the slowest rank
-            sec = statistics.median(per_rep.values())
-            med[(state, source, method)] = sec
+            med[k] = statistics.median(per_rep.values())
+        for state, source, method in keys:
+            rs = by_key[(state, source, method)]
+            sec = med[(state, source, method)]
             row = dict(kind="summary", state=state, source=source, method=method, sec=sec,
                        GBps=rs[0]["state_GiB"] * GiB / sec / 1e9,
                        bitwise_ok_all_ranks=all(r["bitwise_ok"] for r in rs if r["bitwise_ok"] is not None))
@@ -481,6 +483,22 @@ class Bench:
             r.update(bench="fsdp2_load", torch=torch.__version__, h2d_GBps=h2d_rate)
             print(json.dumps(r), flush=True)
         self.write(out)
+        print(self.table(out, h2d_rate), flush=True)
+
+    def table(self, summary: list, h2d_rate) -> str:
+        """The summary as one fixed table: slowest rank's median per state, source and method."""
+        cols = [("state", 9), ("source", 9), ("method", 24), ("time(ms)", 10), ("GB/s", 7), ("%H2D", 6),
+                ("xDCP", 6), ("xalloc(GiB)", 11), ("xresv(GiB)", 10), ("bitwise", 7)]
+        rows = [(r["state"], r["source"], r["method"], f"{r['sec'] * 1e3:.1f}", r["GBps"],
+                 f"{100 * r['fraction_of_h2d']:.1f}" if "fraction_of_h2d" in r else None,
+                 f"{r['speedup_vs_dcp']:.1f}" if "speedup_vs_dcp" in r else None,
+                 f"{r['max_extra_alloc_GiB']:.3f}" if "max_extra_alloc_GiB" in r else None,
+                 f"{r['max_extra_reserved_GiB']:.3f}" if "max_extra_reserved_GiB" in r else None,
+                 r["bitwise_ok_all_ranks"]) for r in summary]
+        where = torch.cuda.get_device_name() if not self.cpu else "cpu"
+        h2d = "-" if h2d_rate is None else f"{h2d_rate:.1f}"
+        return (f"# fsdp2_load: {self.ws} ranks, {where}, torch {torch.__version__}; host-to-device {h2d} GB/s\n"
+                + dist_setup.table(cols, rows))
 
 
 def main() -> None:

@@ -526,7 +526,26 @@ def main() -> None:
         with open(out, "a") as f:
             f.write(json.dumps(summary) + "\n")
         print(json.dumps(summary), flush=True)
+        print(table(summary), flush=True)
     dist.destroy_process_group()
+
+
+def table(summary: dict) -> str:
+    """The summary as one fixed table: per kind and rank, torch's sync against ours (median time, memory)."""
+    cols = [("kind", 6), ("rank", 4), ("sync", 15), ("time(ms)", 9), ("xalloc(GiB)", 11), ("xresv(GiB)", 10),
+            ("sync xalloc(GiB)", 16)]
+    rows = []
+    for key in sorted(k for k in summary if k.endswith(".seconds") and k.count(".") == 2):
+        kind, rank, _ = key.split(".")
+        for i, side in enumerate(("torch", "coalesced_bcast")):
+            def get(name):
+                v = (summary.get(f"{kind}.{rank}.{name}") or [None, None])[i]
+                return None if v is None else f"{v:.3f}"
+            t = summary[key][i]
+            rows.append((kind, rank[1:], side, None if t is None else f"{t * 1e3:.1f}", get("extra_alloc_GiB"),
+                         get("extra_reserved_GiB"), get("sync_extra_alloc_GiB")))
+    targets = [f"{k}: {'MET' if v else 'MISSED'}" for k, v in summary.items() if k.startswith("target.")]
+    return "\n".join([dist_setup.table(cols, rows), *targets])
 
 
 if __name__ == "__main__":

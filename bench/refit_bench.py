@@ -372,7 +372,26 @@ class Bench:
                          for r in soak},
                    wrong=sum(r.get("wrong", 0) for r in allrows if r.get("what") == "bitwise check"))
         self.emit(**out)
+        print(self.table(out), flush=True)
         return allrows
+
+    def table(self, s: dict) -> str:
+        """The summary as one fixed table: the slowest rank's best time per method."""
+        gb = s["gbytes"]
+        rows = [("coalesced_bcast", b, t) for b, t in s["ours_sec"].items()]
+        rows += [("coalesced_bcast, callback", str(self.a.buckets[0]), s["ours_callback_sec"]),
+                 ("per tensor", None, s["per_tensor_sec"]), ("packed 2x1GiB", None, s["packed_sec"]),
+                 ("flat broadcast, unsharded", None, s["flat_sec"])]
+        rows += [("flat in bucket pieces, unsharded", b, t) for b, t in s["flat_in_bucket_pieces_sec"].items()]
+        rows += [("coalesced_bcast, unsharded", b, t) for b, t in s["unsharded_sec"].items()]
+        rows += [("coalesced_bcast, unsharded, direct=False", str(self.a.buckets[0]), s["unsharded_direct_off_sec"])]
+        cols = [("method", 40), ("bucket(MiB)", 11), ("time(s)", 8), ("GB/s", 7), ("xpacked", 7)]
+        where = torch.cuda.get_device_name() if not self.cpu else "cpu"
+        return (f"# refit: {gb:.1f} GB, {next(r['tensors'] for r in self.rows if r.get('what') == 'state')} tensors, "
+                f"{where}, torch {torch.__version__}; wrong tensors in every check: {s['wrong']}\n"
+                + dist_setup.table(cols, [(m, b, None if t is None else f"{t:.4f}", None if not t else gb / t,
+                                           None if not t or not s["packed_sec"] else s["packed_sec"] / t)
+                                          for m, b, t in rows]))
 
 
 def main():
