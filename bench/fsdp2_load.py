@@ -15,7 +15,8 @@ The state also goes from rank 0's GPU (source "gpu"), to check that path.
 CPU smoke test (gloo, tiny shapes, pageable only):
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/fsdp2_load.py --cpu --out /tmp/fsdp2_load.jsonl
 
-One JSON line per rank and measurement, then 'summary' lines with the targets, all written by rank 0.
+One JSON line per rank and measurement (each rank appends its own to --out), then rank 0's 'summary' lines with the
+targets, and the summary as one table.
 """
 from __future__ import annotations
 

@@ -20,8 +20,9 @@ One JSON line per rank and mode: seconds (the FSDP/DDP constructor), sync_second
 function, whichever is installed), memory in GiB: base (allocated before), peak allocated/reserved
 (absolute, and extra over the start), and the same extra inside the sync calls alone (sync_extra_*):
 the peak of the whole constructor is the max over the sync windows and the windows between them.
-The last line is a summary against the targets (FSDP1_RANK1_PEAK_TARGET, time no slower than torch's). On CPU (gloo) --small runs the same modes,
-scaled down, without memory figures; torch's FSDP1 refuses CPU states, so fsdp1_base is skipped there.
+The last line is a summary against the targets (FSDP1_RANK1_PEAK_TARGET, time no slower than torch's), then
+the summary as one table. On CPU (gloo) --small runs the same modes, scaled down, without memory figures;
+torch's FSDP1 refuses CPU states, so fsdp1_base is skipped there.
 """
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ State: Qwen3-30B-A3B-shaped, bf16, Hugging Face layout (48 layers, 128 experts o
 
 GPU (2 GPUs):   python3 -m torch.distributed.run --standalone --nproc-per-node 3 bench/refit_bench.py
 CPU smoke test: python3 -m torch.distributed.run --standalone --nproc-per-node 3 bench/refit_bench.py --cpu
-One JSON line per rank and measurement, then 'summary' lines with the targets, written by every rank.
+One JSON line per rank and measurement, then a 'summary' line with the targets (rank 0 writes them all to --out),
+and the summary as one table.
 """
 from __future__ import annotations
 
