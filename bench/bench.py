@@ -1,4 +1,4 @@
-"""Every way to broadcast a model's state, side by side, in one run (issue 3).
+"""Every way to broadcast a model's state, side by side, in one run.
 
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench.py [--cases ...] [--out DIR]
 
@@ -6,7 +6,7 @@ On GPUs (NCCL) it measures the real cases; on CPU (gloo) a scaled-down version o
 Per case, every method runs on the same tensors: warm-up (also the memory measurement, after
 empty_cache and reset_peak_memory_stats), receivers poisoned, `--reps` timed repetitions (median),
 then a bitwise check of every tensor on every rank against the source's seeded values.
-Writes DIR/latest.json (rows), DIR/latest.md (table) and DIR/latest.png (plot, if matplotlib).
+Writes DIR/bench.json (rows), DIR/bench.md (table) and DIR/bench.png (plot, if matplotlib).
 """
 from __future__ import annotations
 
@@ -248,19 +248,6 @@ def kept_plan(**options):
     return run
 
 
-def ring_after_agreement(fn):
-    """fn with the sync's ring made after the agreement (COALESCED_BCAST_PREPARE=0, as before PreparedRun),
-    for the A/B beside the default rows in the same run."""
-    def run(ts):
-        was = coalesced_bcast.sync._PREPARE
-        coalesced_bcast.sync._PREPARE = False
-        try:
-            return fn(ts)
-        finally:
-            coalesced_bcast.sync._PREPARE = was
-    return run
-
-
 def module_sync(spec: list):
     """sync_module of the tensors as a module tree (module_of, built on the first call)."""
     state = {}
@@ -281,11 +268,7 @@ def methods(on_gpu: bool, case: str, spec: list) -> dict:
         "coalesced_bcast[kept plan]": kept_plan(),
         # the first buckets sent while the ranks agree (plan_sync(speculate=True)); the ring kept between runs
         "coalesced_bcast[kept plan, speculate]": kept_plan(speculate=True),
-        "coalesced_bcast[ring after agreement]": ring_after_agreement(ours()),
-        "coalesced_bcast[kept plan, ring after agreement]": ring_after_agreement(kept_plan()),
     }
-    # (A/B rows of the comm lanes' priority and the copy kernels' grid ran on 2026-12-01: no gain;
-    # bench/results/sync_h200_32M_buckets.md. bench/trace_pipeline.py shows where a bucket's time goes.)
     if on_gpu:
         m["legacy_record_stream"] = legacy_record_stream
     if case.startswith("scale"):
@@ -442,7 +425,7 @@ def main():
     dist.destroy_process_group()
 
 
-#: (case, method, minimum % of the ceiling, maximum extra reserved MiB or None): the issue's targets.
+#: (case, method, minimum % of the ceiling, maximum extra reserved MiB or None): the targets.
 TARGETS = [("small16k", "coalesced_bcast", 50, None), ("small16k", "coalesced_bcast[kept plan]", 80, None),
            ("small16k", "coalesced_bcast[kept plan, speculate]", 80, None),
            ("mixed", "coalesced_bcast", 85, None), ("llama8b", "coalesced_bcast", 97, 64)]
@@ -467,18 +450,18 @@ def targets(rows) -> list[str]:
 
 def write_results(rows, out):
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "latest.json"), "w") as f:
+    with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump(rows, f, indent=1)
     lines = [HEADER] + [table_line(r) for r in sorted(rows, key=lambda r: (r["case"], r["method"], r["rank"]))]
     r0 = rows[0]
-    with open(os.path.join(out, "latest.md"), "w") as f:
+    with open(os.path.join(out, "bench.md"), "w") as f:
         f.write(f"# coalesced_bcast benchmark\n\n{r0['world_size']} ranks, {r0['gpu']}, torch {r0['torch']}, "
                 f"NCCL {r0['nccl']}. GB/s = 1e9 B/s; busbw = algbw for broadcast; xalloc/xresv = peak extra "
                 f"allocated/reserved on that rank; #wrong = 1 if any tensor differed from the source.\n\n```\n")
         f.write("\n".join(lines) + "\n```\n")
         f.write("\n" + "\n".join(f"- {t}" for t in targets(rows)) + "\n")
     print("\n".join(lines + targets(rows)), flush=True)
-    plot(rows, os.path.join(out, "latest.png"))
+    plot(rows, os.path.join(out, "bench.png"))
 
 
 def plot(rows, path):

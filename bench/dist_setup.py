@@ -61,3 +61,19 @@ def best_ms(fn, cuda: bool, n: int = 5) -> float:
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return best * 1e3
+
+
+def table(columns: list[tuple[str, int]], rows: list[tuple]) -> str:
+    """A fixed-width table, nccl-tests style: columns are (header, width), each cell right-aligned; a float
+    cell is printed with 2 decimals (or as given, when the caller formats it), None as '-'."""
+    def cell(v, w):
+        if v is None:
+            v = "-"
+        elif isinstance(v, bool):
+            v = "yes" if v else "NO"
+        elif isinstance(v, float):
+            v = f"{v:.2f}"
+        return f"{v:>{w}}"
+    lines = [" ".join(f"{h:>{w}}" for h, w in columns)]
+    lines += [" ".join(cell(v, w) for v, (_, w) in zip(r, columns)) for r in rows]
+    return "\n".join(lines)

@@ -9,13 +9,14 @@ small bf16 tensors (1 GiB; sizes as in the anchors).
 Every run is checked bitwise on every rank against the source's values (a counter-based pattern that
 each rank can regenerate for its own shard). Also measures this machine's host-to-device rate.
 
-GPU (2x H200):
-    python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/fsdp2_load.py --out bench/results/fsdp2_load.jsonl
+GPU (2 GPUs):
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/fsdp2_load.py --out /tmp/fsdp2_load.jsonl
 The state also goes from rank 0's GPU (source "gpu"), to check that path.
 CPU smoke test (gloo, tiny shapes, pageable only):
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/fsdp2_load.py --cpu --out /tmp/fsdp2_load.jsonl
 
-One JSON line per rank and measurement, then 'summary' lines with the targets, all written by rank 0.
+One JSON line per rank and measurement (each rank appends its own to --out), then rank 0's 'summary' lines with the
+targets, and the summary as one table.
 """
 from __future__ import annotations
 
@@ -222,19 +223,7 @@ class Bench:
 
     @staticmethod
     def load(model: nn.Module, sd, options: dict):
-        env = options.pop("env", None)
-        if env is None:
-            return coalesced_bcast.load_full_state_dict(model, sd, src=0, **options)
-        name, value = env.split("=", 1)
-        before = os.environ.get(name)
-        os.environ[name] = value
-        try:
-            return coalesced_bcast.load_full_state_dict(model, sd, src=0, **options)
-        finally:
-            if before is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = before
+        return coalesced_bcast.load_full_state_dict(model, sd, src=0, **options)
 
     def h2d(self, sd: dict) -> None:
         """One large pinned copy (the anchors' measure), the same bytes in 16 MiB copies, and pageable."""
@@ -286,7 +275,6 @@ class Bench:
         methods = ([] if args.no_dcp else [("dcp", {})]) + [("coalesced_bcast", {})]
         methods += [(f"coalesced_bcast_b{b >> 20}M", dict(bucket_bytes=b)) for b in args.extra_buckets]
         methods += [(f"coalesced_bcast_t{t}", dict(copy_threads=t)) for t in args.extra_threads]
-        methods += [(f"coalesced_bcast[{e}]", dict(env=e)) for e in args.extra_env]
         for source in sources:
             t0 = time.perf_counter()
             sd = make_source(specs, source, seed, gen_device) if self.rank == 0 else None
@@ -344,7 +332,7 @@ class Bench:
                     methods: list) -> None:
         """Our methods' loads in turn, rep by rep (an A/B that a host's drift within a process moves alike),
         each row with its phases (host ms); rep 0 warms up, the last is checked bitwise."""
-        from profile_load import phase_timers
+        from load_phases import phase_timers
         for rep in range(self.args.reps + 1):
             for name, options in methods:
                 poison(model)
@@ -358,7 +346,7 @@ class Bench:
     def phases(self, fn, kind: str, source: str) -> None:
         """One more load with state_dict.py's phases timed (host wall time each, ms; the source's wait for its
         copies of host memory, after the post-hooks, is `host_reads_wait`)."""
-        from profile_load import phase_timers
+        from load_phases import phase_timers
         self.sync()
         with phase_timers() as spent:
             t0 = time.perf_counter()
@@ -373,7 +361,7 @@ class Bench:
         """One more load under torch.profiler; rank 0 writes where the GPU time went, per stream, and the
         host's longest waits (args.trace/<what>.txt)."""
         from torch.profiler import ProfilerActivity, profile
-        from profile_load import phase_ranges
+        from load_phases import phase_ranges
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, phase_ranges():
             with torch.profiler.record_function("load"):
                 fn()
@@ -443,18 +431,20 @@ class Bench:
         rows = [r for rs in gathered for r in rs]
         h2d = [r for r in rows if r["kind"] == "h2d" and r["source"] == "pinned"]
         h2d_rate = max(r["one_copy_GBps"] for r in h2d) if h2d else None
-        loads = [r for r in rows if r["kind"] == "load"]
+        loads = [r for r in rows if r["kind"] == "load" and "sec" in r]  # (a baseline that raised has no time)
         out = []
         keys = sorted({(r["state"], r["source"], r["method"]) for r in loads})
+        by_key = {k: [r for r in loads if (r["state"], r["source"], r["method"]) == k] for k in keys}
         med = {}
-        for state, source, method in keys:
-            rs = [r for r in loads if (r["state"], r["source"], r["method"]) == (state, source, method)]
+        for k, rs in by_key.items():  # every method's median first: ours are compared with DCP's
             timed = [r for r in rs if not r["warmup"]] or rs
             per_rep: dict = {}
             for r in timed:
                 per_rep[r["rep"]] = max(per_rep.get(r["rep"], 0.0), r["sec"])  # the slowest rank
-            sec = statistics.median(per_rep.values())
-            med[(state, source, method)] = sec
+            med[k] = statistics.median(per_rep.values())
+        for state, source, method in keys:
+            rs = by_key[(state, source, method)]
+            sec = med[(state, source, method)]
             row = dict(kind="summary", state=state, source=source, method=method, sec=sec,
                        GBps=rs[0]["state_GiB"] * GiB / sec / 1e9,
                        bitwise_ok_all_ranks=all(r["bitwise_ok"] for r in rs if r["bitwise_ok"] is not None))
@@ -473,7 +463,7 @@ class Bench:
                         row["max_extra_alloc_GiB"] <= ring + slack
                         and row["max_extra_reserved_GiB"] <= math.ceil(ring / seg) * seg + seg)
             if method.startswith("coalesced_bcast"):
-                # The targets (issue "One engine"): Llama-8B from pinned >= 95% of the host-to-device rate,
+                # The targets: Llama-8B from pinned >= 95% of the host-to-device rate,
                 # the MoE state >= 90% from pinned and >= 4x DCP from pageable, 16k small tensors from
                 # pinned in <= 40 ms, from rank 0's GPU at least as fast as DCP.
                 dcp = med.get((state, source, "dcp"))
@@ -494,6 +484,22 @@ class Bench:
             r.update(bench="fsdp2_load", torch=torch.__version__, h2d_GBps=h2d_rate)
             print(json.dumps(r), flush=True)
         self.write(out)
+        print(self.table(out, h2d_rate), flush=True)
+
+    def table(self, summary: list, h2d_rate) -> str:
+        """The summary as one fixed table: slowest rank's median per state, source and method."""
+        cols = [("state", 9), ("source", 9), ("method", 24), ("time(ms)", 10), ("GB/s", 7), ("%H2D", 6),
+                ("xDCP", 6), ("xalloc(GiB)", 11), ("xresv(GiB)", 10), ("bitwise", 7)]
+        rows = [(r["state"], r["source"], r["method"], f"{r['sec'] * 1e3:.1f}", r["GBps"],
+                 f"{100 * r['fraction_of_h2d']:.1f}" if "fraction_of_h2d" in r else None,
+                 f"{r['speedup_vs_dcp']:.1f}" if "speedup_vs_dcp" in r else None,
+                 f"{r['max_extra_alloc_GiB']:.3f}" if "max_extra_alloc_GiB" in r else None,
+                 f"{r['max_extra_reserved_GiB']:.3f}" if "max_extra_reserved_GiB" in r else None,
+                 r["bitwise_ok_all_ranks"]) for r in summary]
+        where = torch.cuda.get_device_name() if not self.cpu else "cpu"
+        h2d = "-" if h2d_rate is None else f"{h2d_rate:.1f}"
+        return (f"# fsdp2_load: {self.ws} ranks, {where}, torch {torch.__version__}; host-to-device {h2d} GB/s\n"
+                + dist_setup.table(cols, rows))
 
 
 def main() -> None:
@@ -506,12 +512,9 @@ def main() -> None:
     p.add_argument("--dcp-reps", type=int, default=2)
     p.add_argument("--dcp-small-reps", type=int, default=1)
     p.add_argument("--slow-s", type=float, default=8.0, help="a run slower than this is not repeated")
-    # Sweeps measured once on 2x H200 (fsdp2_h200.jsonl): 64 MiB buckets no faster, 4 or 16 copy
-    # threads slower than the default 8; off by default so the whole run fits one device call.
+    # Option sweeps, off by default so that the whole run fits one device call.
     p.add_argument("--extra-buckets", default="", help="MiB, comma-separated; extra coalesced_bcast rows with these bucket sizes")
     p.add_argument("--extra-threads", default="", help="extra coalesced_bcast rows (pageable) with these copy_threads")
-    p.add_argument("--extra-env", default="", help="extra coalesced_bcast rows, each with NAME=VALUE set in the environment "
-                   "during its loads (comma-separated)")
     p.add_argument("--no-dcp", action="store_true", help="leave out DCP's rows")
     p.add_argument("--sorted-keys", action="store_true", help="the source's keys sorted as strings, as a safetensors "
                    "file keeps them (not the model's order; rows carry keys=sorted)")
@@ -544,7 +547,6 @@ def main() -> None:
         args.moe_layers, args.moe_hidden, args.moe_inter, args.moe_experts, args.moe_vocab = 2, 64, 48, 4, 1001
     args.extra_buckets = [int(x) << 20 for x in args.extra_buckets.split(",") if x]
     args.extra_threads = [int(x) for x in args.extra_threads.split(",") if x]
-    args.extra_env = [x for x in args.extra_env.split(",") if x]
     args.sources = args.sources.split(",")
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")

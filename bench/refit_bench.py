@@ -12,9 +12,10 @@ followed by a bitwise check of every engine tensor against the source pattern.
 State: Qwen3-30B-A3B-shaped, bf16, Hugging Face layout (48 layers, 128 experts of 2048x768 matrices,
 ~18.9k tensors, ~57 GiB); fully_shard per layer and at the root.
 
-GPU (2x H200):  python3 -m torch.distributed.run --standalone --nproc-per-node 3 bench/refit_bench.py
+GPU (2 GPUs):   python3 -m torch.distributed.run --standalone --nproc-per-node 3 bench/refit_bench.py
 CPU smoke test: python3 -m torch.distributed.run --standalone --nproc-per-node 3 bench/refit_bench.py --cpu
-One JSON line per rank and measurement, then 'summary' lines with the targets, written by every rank.
+One JSON line per rank and measurement, then a 'summary' line with the targets (rank 0 writes them all to --out),
+and the summary as one table.
 """
 from __future__ import annotations
 
@@ -313,24 +314,21 @@ class Bench:
             if self.rank == 2:
                 self.emit(what="bitwise check", case="unsharded", bucket_MiB=b, wrong=self.check_engine(views))
             del ours, step
-        # A/B: the same with every bucket through the ring slots (direct buckets off: a copy on each side)
-        os.environ["COALESCED_BCAST_DIRECT"] = "0"
-        try:
-            if self.rank == 0:
-                step = coalesced_bcast.RefitSender(list(zip(names, views)), self.refit,
-                                                   bucket_bytes=self.a.buckets[0] * MiB).send
-            else:
-                step = coalesced_bcast.RefitReceiver(self.refit, tensors=dict(zip(names, views))).receive
-            self.measure("coalesced_bcast unsharded first (plans), direct off", step, bucket_MiB=self.a.buckets[0])
-        finally:
-            del os.environ["COALESCED_BCAST_DIRECT"]
+        # The same with direct=False: every bucket through the ring slots (a copy on each side), what the
+        # broadcast from and into the tensors' own memory saves
+        if self.rank == 0:
+            step = coalesced_bcast.RefitSender(list(zip(names, views)), self.refit,
+                                               bucket_bytes=self.a.buckets[0] * MiB, direct=False).send
+        else:
+            step = coalesced_bcast.RefitReceiver(self.refit, tensors=dict(zip(names, views)), direct=False).receive
+        self.measure("coalesced_bcast unsharded first (plans), direct off", step, bucket_MiB=self.a.buckets[0])
         for rep in range(self.a.reps):
             self.measure("coalesced_bcast unsharded, direct off", step, rep=rep, bucket_MiB=self.a.buckets[0])
         if self.rank == 2:
             self.emit(what="bitwise check", case="unsharded, direct off", wrong=self.check_engine(views))
 
     def summary(self):
-        """Per measurement the slowest rank's time, and the issue's targets, from every rank's rows."""
+        """Per measurement the slowest rank's time, and the targets, from every rank's rows."""
         rows = [None] * dist.get_world_size()
         dist.all_gather_object(rows, self.rows)
         allrows = [r for rs in rows for r in rs]
@@ -375,7 +373,26 @@ class Bench:
                          for r in soak},
                    wrong=sum(r.get("wrong", 0) for r in allrows if r.get("what") == "bitwise check"))
         self.emit(**out)
+        print(self.table(out), flush=True)
         return allrows
+
+    def table(self, s: dict) -> str:
+        """The summary as one fixed table: the slowest rank's best time per method."""
+        gb = s["gbytes"]
+        rows = [("coalesced_bcast", b, t) for b, t in s["ours_sec"].items()]
+        rows += [("coalesced_bcast, callback", str(self.a.buckets[0]), s["ours_callback_sec"]),
+                 ("per tensor", None, s["per_tensor_sec"]), ("packed 2x1GiB", None, s["packed_sec"]),
+                 ("flat broadcast, unsharded", None, s["flat_sec"])]
+        rows += [("flat in bucket pieces, unsharded", b, t) for b, t in s["flat_in_bucket_pieces_sec"].items()]
+        rows += [("coalesced_bcast, unsharded", b, t) for b, t in s["unsharded_sec"].items()]
+        rows += [("coalesced_bcast, unsharded, direct=False", str(self.a.buckets[0]), s["unsharded_direct_off_sec"])]
+        cols = [("method", 40), ("bucket(MiB)", 11), ("time(s)", 8), ("GB/s", 7), ("xpacked", 7)]
+        where = torch.cuda.get_device_name() if not self.cpu else "cpu"
+        return (f"# refit: {gb:.1f} GB, {next(r['tensors'] for r in self.rows if r.get('what') == 'state')} tensors, "
+                f"{where}, torch {torch.__version__}; wrong tensors in every check: {s['wrong']}\n"
+                + dist_setup.table(cols, [(m, b, None if t is None else f"{t:.4f}", None if not t else gb / t,
+                                           None if not t or not s["packed_sec"] else s["packed_sec"] / t)
+                                          for m, b, t in rows]))
 
 
 def main():

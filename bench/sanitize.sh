@@ -44,8 +44,8 @@ run_tool() {  # run_tool TOOL -> writes $LOGS/TOOL.log, $LOGS/TOOL.rc
   local filter=()
   [ "$kernels" = ours ] && [ $has_filter = 1 ] && filter=(--kernel-name kns=coalesced_bcast)
   # NCCL's communicator set-up asks for attributes of kernels it has no sm_90 image for and gets
-  # cudaErrorNoKernelImageForDevice, which it expects (21 such reports on 2x H200, NCCL 2.28.9, all
-  # from ncclInitKernelsForDevice): not errors of this code. Device-side checks are unaffected.
+  # cudaErrorNoKernelImageForDevice, which it expects (all from
+  # ncclInitKernelsForDevice): not errors of this code. Device-side checks are unaffected.
   [ $has_api = 1 ] && filter+=(--report-api-errors no)
   echo "$kernels" > "$LOGS/$tool.kernels"
   rm -f "$LOGS/$tool.jsonl"

@@ -1,6 +1,6 @@
-"""Safety checks that need GPUs, each a mode (issue 5); on CPU each runs reduced, over gloo.
+"""Safety checks that need GPUs, each a mode; on CPU each runs reduced, over gloo.
 
-    # 1,000 syncs of a mixed model: no memory growth after the first, no error (< 2 min on 2x H200)
+    # 1,000 syncs of a mixed model: no memory growth after the first, no error
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/soak.py --out soak.jsonl
     # verify on the GPU: GPU hash == CPU hash bit for bit, a flipped bit caught, its cost for 16k small
     # tensors (1 GiB) and a Llama-8B-shaped state (15 GiB); wrong-device input refused over NCCL

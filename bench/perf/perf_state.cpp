@@ -233,10 +233,9 @@ void make_llama(const StateSpec& spec, Builder& b, const at::TensorOptions& o) {
   }
   // Every dim by sqrt(f): the state scales by about f and keeps its 291
   // tensors and their proportions. Dims stay multiples of 8, as a real
-  // model's are: with odd dims every tensor's size was off the 16-byte grid,
-  // so none could be broadcast in place and the whole state went through
-  // 32 MiB buckets (about 255 GB/s on 2x H200, against 362-368 for the same
-  // state in place: the 238-362 GB/s spread of the sweep).
+  // model's are: with odd dims every tensor's size would be off the 16-byte
+  // grid, so none could be broadcast in place and the whole state would go
+  // through buckets, which a real model's does not.
   const double f = std::sqrt(static_cast<double>(spec.bytes) / static_cast<double>(base));
   for (size_t i = 0; i < shapes.size(); ++i) {
     std::vector<int64_t> sized;
