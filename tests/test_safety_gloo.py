@@ -60,16 +60,7 @@ def _filled(shape, dtype, seed):
     return torch.randint(-100, 100, shape, generator=g).to(dtype)
 
 
-def _agreement_body_checks(rank, world_size):
-    odd = world_size - 1  # the rank whose structure differs
-    val = 10 + rank  # receivers' values differ from the source's: a write would show
-
-    def base():
-        return [_filled((5,), torch.float32, val), _filled((4, 6), torch.float32, val), _filled((8,), torch.int64, val)]
-
-    names = ["a", "w", "b"]
-    pg = dist.group.WORLD
-
+def _store_costs(rank, world_size, base, names, pg, odd, val):
     # When all is well, through the store: a few small round trips per rank, no collective on the group.
     tensors = base()
     ops = []
@@ -123,6 +114,9 @@ def _agreement_body_checks(rank, world_size):
         store_agreement._group_store = real_store
     assert same_bits(tensors[1], _filled((4, 6), torch.float32, 10))
 
+
+
+def _collective_costs(rank, world_size, base, names, pg, odd, val):
     # Groups larger than STORE_MAX_RANKS: exactly one small collective before the payload.
     os.environ[agree._STORE_ENV] = "0"
     tensors = base()
@@ -148,6 +142,9 @@ def _agreement_body_checks(rank, world_size):
         del os.environ[agree._STORE_ENV]
     assert same_bits(tensors[1], _filled((4, 6), torch.float32, 10))
 
+
+
+def _mismatches(rank, world_size, base, names, pg, odd, val):
     cases = []
     t = base()
     if rank == odd:
@@ -196,6 +193,9 @@ def _agreement_body_checks(rank, world_size):
             _expect_refusal(rank, world_size, x, 0, names=names, match=r"rank 1 refused its input.*on rank 1 is on "
                                                                         r"the meta device")
     del os.environ[agree._STORE_ENV]
+
+
+def _usable_after(rank, world_size, base, names, pg, odd, val):
     # The group is still usable after all of that.
     want = [_filled((5,), torch.float32, 10), _filled((4, 6), torch.float32, 10), _filled((8,), torch.int64, 10)]
     tensors = base()
@@ -213,6 +213,20 @@ def _agreement_body_checks(rank, world_size):
     assert store_agreement._groups[pg].prefix == "coalesced_bcast/agree/1/"
 
 
+
+
+def _agreement_body_checks(rank, world_size):
+    odd = world_size - 1  # the rank whose structure differs
+    val = 10 + rank  # receivers' values differ from the source's: a write would show
+
+    def base():
+        return [_filled((5,), torch.float32, val), _filled((4, 6), torch.float32, val), _filled((8,), torch.int64, val)]
+
+    names = ["a", "w", "b"]
+    pg = dist.group.WORLD
+
+    for check in (_store_costs, _collective_costs, _mismatches, _usable_after):
+        check(rank, world_size, base, names, pg, odd, val)
 def _agreement_body(rank, world_size, queues):
     try:
         _agreement_body_checks(rank, world_size)
@@ -274,7 +288,7 @@ class Tiny(nn.Module):
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
 
 
-def _bad_input_body_checks(rank, world_size):
+def _bad_tensors(rank, world_size):
     torch.manual_seed(rank)
     t = lambda: [torch.randn(10), torch.randn(3, 4)]  # noqa: E731
 
@@ -313,6 +327,10 @@ def _bad_input_body_checks(rank, world_size):
     # src outside the group, the same on every rank: raised before anything else.
     _expect_refusal(rank, world_size, t(), 5, match=r"src=5 is not a rank of the group")
     _expect_refusal(rank, world_size, t(), -1, match=r"src=-1 is not a rank of the group")
+
+
+def _no_backend_and_leaves(rank, world_size):
+    t = lambda: [torch.randn(10), torch.randn(3, 4)]  # noqa: E731
 
     # A group with no backend for the tensors' device: gloo registered for cuda only. Through the store
     # the ranks still agree, and all raise the refusal; a collective agreement has nothing to agree over
@@ -368,6 +386,11 @@ def _bad_input_body_checks(rank, world_size):
     m.lin(torch.ones(2, 6)).sum().backward()
     assert all(p.grad is not None and p.grad.grad_fn is None for p in m.parameters())
     del ref
+
+
+def _bad_input_body_checks(rank, world_size):
+    _bad_tensors(rank, world_size)
+    _no_backend_and_leaves(rank, world_size)
 
 
 def _bad_input_body(rank, world_size):
