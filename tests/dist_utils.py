@@ -48,7 +48,7 @@ def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tupl
         gc.collect()
         # torch 2.4's ProcessGroupGloo destructor waits for its worker threads holding the GIL, and a worker
         # that drops the last reference to a Python-made tensor of a finished collective (the test's
-        # all_gather outputs) needs the GIL for it: a deadlock (2 of 25 runs of a kept-plan test, gdb:
+        # all_gather outputs) needs the GIL for it: a deadlock (seen in kept-plan tests; gdb:
         # ~ProcessGroupGloo against ~AsyncAllgatherWork -> THPVariable_clear). A moment without the GIL
         # lets the workers finish first.
         time.sleep(0.05)

@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 EXAMPLES = 60
 TRAINER, ENGINE = (0, 1), 2
-# What a refit casts: state_dict._CASTABLE less bool, whose casts _cast_targets omits.
+# What a refit casts: _util._CASTABLE less bool, whose casts _cast_targets omits.
 _CASTS = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
           torch.int32, torch.int64}
 

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 import coalesced_bcast
 from coalesced_bcast import AgreementError, _C, agree
+from coalesced_bcast import _store_agreement as store_agreement
 from coalesced_bcast.agree import check_agreement
 from dist_utils import run_ranks
 from zoo import same_bits
@@ -59,20 +60,11 @@ def _filled(shape, dtype, seed):
     return torch.randint(-100, 100, shape, generator=g).to(dtype)
 
 
-def _agreement_body_checks(rank, world_size):
-    odd = world_size - 1  # the rank whose structure differs
-    val = 10 + rank  # receivers' values differ from the source's: a write would show
-
-    def base():
-        return [_filled((5,), torch.float32, val), _filled((4, 6), torch.float32, val), _filled((8,), torch.int64, val)]
-
-    names = ["a", "w", "b"]
-    pg = dist.group.WORLD
-
+def _store_costs(rank, world_size, base, names, pg, odd, val):
     # When all is well, through the store: a few small round trips per rank, no collective on the group.
     tensors = base()
     ops = []
-    real_store = agree._group_store
+    real_store = store_agreement._group_store
 
     class Counting:
         def __init__(self, store):
@@ -86,17 +78,17 @@ def _agreement_body_checks(rank, world_size):
                 return fn(*args)
             return counted
 
-    agree._group_store = lambda g: Counting(real_store(g))
+    store_agreement._group_store = lambda g: Counting(real_store(g))
     try:
         check_agreement(_C.Plan(tensors, names, 4096, 2, 1 << 40, 0, rank), None, pg, 0, names)  # the group's first
-        queues = agree._groups[pg].queues
+        queues = store_agreement._groups[pg].queues
         for i in range(4):
             plan = _C.Plan(tensors, names, 4096, 2, 1 << 40, 0, rank)
             seq0 = pg._get_sequence_number_for_group()
             ops.clear()
             assert check_agreement(plan, None, pg, 0, names) is None
             assert pg._get_sequence_number_for_group() == seq0
-            seq = agree._groups[pg].seq - 1
+            seq = store_agreement._groups[pg].seq - 1
             # Every rank: one compare_set (publish or read the record). Two ranks: the second to arrive
             # sends the verdict (no reply awaited), the first waits for it and pops it from a queue that
             # it leaves empty for the agreement after next, or, on a store without queues (FileStore),
@@ -119,9 +111,12 @@ def _agreement_body_checks(rank, world_size):
         stats = coalesced_bcast.broadcast_tensors(tensors, 0, names=names, bucket_bytes=4096)
         assert pg._get_sequence_number_for_group() - seq0 == stats.buckets + stats.inplace_ops
     finally:
-        agree._group_store = real_store
+        store_agreement._group_store = real_store
     assert same_bits(tensors[1], _filled((4, 6), torch.float32, 10))
 
+
+
+def _collective_costs(rank, world_size, base, names, pg, odd, val):
     # Groups larger than STORE_MAX_RANKS: exactly one small collective before the payload.
     os.environ[agree._STORE_ENV] = "0"
     tensors = base()
@@ -147,6 +142,9 @@ def _agreement_body_checks(rank, world_size):
         del os.environ[agree._STORE_ENV]
     assert same_bits(tensors[1], _filled((4, 6), torch.float32, 10))
 
+
+
+def _mismatches(rank, world_size, base, names, pg, odd, val):
     cases = []
     t = base()
     if rank == odd:
@@ -195,6 +193,9 @@ def _agreement_body_checks(rank, world_size):
             _expect_refusal(rank, world_size, x, 0, names=names, match=r"rank 1 refused its input.*on rank 1 is on "
                                                                         r"the meta device")
     del os.environ[agree._STORE_ENV]
+
+
+def _usable_after(rank, world_size, base, names, pg, odd, val):
     # The group is still usable after all of that.
     want = [_filled((5,), torch.float32, 10), _filled((4, 6), torch.float32, 10), _filled((8,), torch.int64, 10)]
     tensors = base()
@@ -203,19 +204,33 @@ def _agreement_body_checks(rank, world_size):
     # A group that finds an earlier group's keys in its store (destroy_process_group, then
     # init_process_group on the same store): what this rank kept about the group is gone, the
     # store's slots hold the earlier group's records. The new incarnation agrees under keys of its own.
-    assert agree._groups[pg].prefix == "coalesced_bcast/agree/0/"
-    del agree._groups[pg]
+    assert store_agreement._groups[pg].prefix == "coalesced_bcast/agree/0/"
+    del store_agreement._groups[pg]
     tensors = base()
     coalesced_bcast.broadcast_tensors(tensors, 0, names=names)
     coalesced_bcast.broadcast_tensors(tensors, 0, names=names, verify=True)
     assert all(same_bits(a, b) for a, b in zip(tensors, want))
-    assert agree._groups[pg].prefix == "coalesced_bcast/agree/1/"
+    assert store_agreement._groups[pg].prefix == "coalesced_bcast/agree/1/"
 
 
+
+
+def _agreement_body_checks(rank, world_size):
+    odd = world_size - 1  # the rank whose structure differs
+    val = 10 + rank  # receivers' values differ from the source's: a write would show
+
+    def base():
+        return [_filled((5,), torch.float32, val), _filled((4, 6), torch.float32, val), _filled((8,), torch.int64, val)]
+
+    names = ["a", "w", "b"]
+    pg = dist.group.WORLD
+
+    for check in (_store_costs, _collective_costs, _mismatches, _usable_after):
+        check(rank, world_size, base, names, pg, odd, val)
 def _agreement_body(rank, world_size, queues):
     try:
         _agreement_body_checks(rank, world_size)
-        assert agree._groups[dist.group.WORLD].queues == queues
+        assert store_agreement._groups[dist.group.WORLD].queues == queues
     finally:
         gc.collect()  # see _COLLECT_NOTE
 
@@ -273,7 +288,7 @@ class Tiny(nn.Module):
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
 
 
-def _bad_input_body_checks(rank, world_size):
+def _bad_tensors(rank, world_size):
     torch.manual_seed(rank)
     t = lambda: [torch.randn(10), torch.randn(3, 4)]  # noqa: E731
 
@@ -312,6 +327,10 @@ def _bad_input_body_checks(rank, world_size):
     # src outside the group, the same on every rank: raised before anything else.
     _expect_refusal(rank, world_size, t(), 5, match=r"src=5 is not a rank of the group")
     _expect_refusal(rank, world_size, t(), -1, match=r"src=-1 is not a rank of the group")
+
+
+def _no_backend_and_leaves(rank, world_size):
+    t = lambda: [torch.randn(10), torch.randn(3, 4)]  # noqa: E731
 
     # A group with no backend for the tensors' device: gloo registered for cuda only. Through the store
     # the ranks still agree, and all raise the refusal; a collective agreement has nothing to agree over
@@ -367,6 +386,11 @@ def _bad_input_body_checks(rank, world_size):
     m.lin(torch.ones(2, 6)).sum().backward()
     assert all(p.grad is not None and p.grad.grad_fn is None for p in m.parameters())
     del ref
+
+
+def _bad_input_body_checks(rank, world_size):
+    _bad_tensors(rank, world_size)
+    _no_backend_and_leaves(rank, world_size)
 
 
 def _bad_input_body(rank, world_size):
@@ -543,25 +567,25 @@ def test_rank_killed_while_writing_to_the_file_store(tmp_path):
 
 
 def test_store_threads_keep_callers_apart_and_abandon_a_stuck_operation():
-    # A FileStore's operations run on helper threads (agree._StoreThread). One that never returns is
+    # A FileStore's operations run on helper threads (store_agreement._StoreThread). One that never returns is
     # abandoned at the caller's deadline, and the next call gets another thread.
     release = threading.Event()
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"did not answer within 0\.3 s"):
-        agree._bounded_store_call(release.wait, (), 0.3)
+        store_agreement._bounded_store_call(release.wait, (), 0.3)
     assert 0.3 <= time.monotonic() - t0 < 0.3 + SLACK_S
-    assert agree._bounded_store_call(lambda x: x + 1, (1,), 5) == 2
+    assert store_agreement._bounded_store_call(lambda x: x + 1, (1,), 5) == 2
     # A long operation (a store wait) on one thread holds up no other thread's.
-    slow = threading.Thread(target=agree._bounded_store_call, args=(time.sleep, (3.0,), 10))
+    slow = threading.Thread(target=store_agreement._bounded_store_call, args=(time.sleep, (3.0,), 10))
     slow.start()
     time.sleep(0.2)
     t0 = time.monotonic()
-    assert agree._bounded_store_call(lambda: "quick", (), 5) == "quick"
+    assert store_agreement._bounded_store_call(lambda: "quick", (), 5) == "quick"
     assert time.monotonic() - t0 < 2.0
     slow.join()
     # The operation's own error is the caller's.
     with pytest.raises(KeyError):
-        agree._bounded_store_call({}.__getitem__, ("k",), 5)
+        store_agreement._bounded_store_call({}.__getitem__, ("k",), 5)
     release.set()
 
 

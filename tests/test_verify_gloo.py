@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import coalesced_bcast
-from coalesced_bcast import _C
+from coalesced_bcast import _C, agree
 from coalesced_bcast.verify import VerifyError, tensor_hashes, verify_tensors
 from dist_utils import run_ranks
 from zoo import DTYPES, bits, fill_random_bytes, make_zoo, same_bits
@@ -178,7 +178,15 @@ def _verify_body_checks(rank, world_size, out_dir):
         seq1 = pg._get_sequence_number_for_group()
         stats = verify_tensors(tensors, src, names=names)
         seq2 = pg._get_sequence_number_for_group()
-        assert seq2 - seq1 == 1, "verify must cost exactly one collective when all is well"
+        assert seq2 - seq1 == 0, "verify through the group's store must cost no collective when all is well"
+        os.environ[agree._STORE_ENV] = "0"  # groups beyond the store's limit agree through a collective
+        try:
+            seq1 = pg._get_sequence_number_for_group()
+            verify_tensors(tensors, src, names=names)
+            seq2 = pg._get_sequence_number_for_group()
+            assert seq2 - seq1 == 1, "verify as a collective must cost exactly one collective when all is well"
+        finally:
+            del os.environ[agree._STORE_ENV]
         assert stats.tensors == len(tensors) and stats.bytes > 0
 
         messages = []
@@ -213,7 +221,7 @@ def _verify_body_checks(rank, world_size, out_dir):
         dist.all_gather_object(gathered, messages)
         assert all(g == messages for g in gathered), gathered
 
-    # Ranks that pass different numbers of tensors learn it from the same single collective.
+    # Ranks that pass different numbers of tensors learn it from the same single agreement round.
     with pytest.raises(VerifyError, match="passed between 2 and 3 tensors"):
         verify_tensors([torch.zeros(3)] * (3 if rank == 0 else 2))
     with open(os.path.join(out_dir, f"ok{rank}"), "w") as f:

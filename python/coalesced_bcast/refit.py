@@ -15,24 +15,21 @@ call ends.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-import pickle
 import re
 import time
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import Callable, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from . import _C, _dtensor
-from .agree import (_HEADER, AgreementError, CollectiveError, _gather, _message, _record, as_timedelta, broadcast,
-                    control_device)
-from .state_dict import _CASTABLE, _dtype_code, _dtype_of_code, _int64_table
-from .sync import _module_slots, gc_paused
+from ._refit_common import RefitBatch, RefitStats, _digest, _Hasher, init_refit_group  # noqa: F401 (re-exported)
+from ._util import _CASTABLE, _dtype_code, _dtype_of_code, _int64_table, _module_slots, gc_paused
+from .agree import (OK, REFUSED, AgreementError, CollectiveError, Record, Verdict, as_timedelta, broadcast,
+                    broadcast_object, broadcast_record, control_device, verdict)
 from .verify import VerifyError
 
 logger = logging.getLogger(__name__)
@@ -42,112 +39,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_REFIT_BUCKET_BYTES = 64 << 20
 DEFAULT_REFIT_RING_DEPTH = 3
 
-_OK, _REFUSED = 0, 1
-_FLAG_VERIFY = 1
+_FLAG_VERIFY = 1  # the sender's record's count: the receivers verify
 _W = 2 + 8  # units table width: dtype, ndim, sizes
 
 
-@dataclass(frozen=True)
-class RefitStats:
-    tensors: int  # tensors in the stream
-    bytes: int  # their bytes, in the wire's dtypes
-    buckets: int
-    ring_bytes: int  # device bytes of this process's ring and tables
-    seconds: float  # wall time of the call on this process
-    agree_seconds: float
-    transfer_seconds: float  # host time of the transfer (CUDA work may still be queued)
-    planned: bool  # this call made (or remade) the plan
-    verified: bool
-    # buckets this process sent from or received into the tensors' own memory, with no copy and no ring
-    # slot: their bytes lie back to back in one storage here (an unsharded sender's or an engine's
-    # buffer), in the wire's dtype
-    direct_buckets: int = 0
-
-
-def init_refit_group(host: Optional[str], port: int, rank: int, world_size: int, *,
-                     device: Union[str, torch.device] = "cuda", timeout: timedelta = timedelta(minutes=10),
-                     name: str = "coalesced_bcast_refit", is_master: Optional[bool] = None,
-                     store: Optional[dist.Store] = None) -> dist.ProcessGroup:
-    """A process group of `world_size` processes met at a TCPStore on host:port, apart from any default group.
-
-    Rank 0 (by convention the trainer's sending rank) hosts the store unless `is_master` says otherwise;
-    or pass a `store` that every process reaches (host and port are then not used).
-    The group has gloo for CPU tensors and, for `device` cuda, NCCL for CUDA tensors; every API of this
-    package takes it. Processes that already share one world can use ``dist.new_group(ranks)`` instead.
-    """
-    device = torch.device(device)
-    if store is None:
-        store = dist.TCPStore(host, port, world_size, rank == 0 if is_master is None else is_master, timeout=timeout)
-    prefix = dist.PrefixStore(f"{name}/", store)
-    cuda = device.type == "cuda"
-    if hasattr(dist.ProcessGroup, "_set_default_backend"):
-        pg = dist.ProcessGroup(prefix, rank, world_size)
-    else:  # torch 2.4: the default backend is a constructor option
-        options = dist.ProcessGroup.Options(backend="nccl" if cuda else "gloo")
-        options._timeout = timeout
-        pg = dist.ProcessGroup(prefix, rank, world_size, options)
-    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", prefix), rank, world_size, timeout)
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
-    if cuda:
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", prefix), rank, world_size, opts)
-        pg._register_backend(device, dist.ProcessGroup.BackendType.NCCL, nccl)
-    if hasattr(pg, "_set_default_backend"):
-        pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL if cuda else dist.ProcessGroup.BackendType.GLOO)
-    pg._set_group_name(name)
-    pg._set_group_desc(name)
-    return pg
-
-
-def _digest(*parts: Any) -> int:
-    h = hashlib.blake2b(digest_size=8)
-    for p in parts:
-        h.update(p if isinstance(p, bytes) else repr(p).encode())
-    return int.from_bytes(h.digest(), "little", signed=True) or 1  # 0 means "no plan"
-
-
-def _heads(records: torch.Tensor) -> list:
-    """The int64 header of each 512-byte record (agree._record): [status, flags, digest, ...] per rank."""
-    return records.reshape(-1, records.shape[-1])[:, :_HEADER].contiguous().view(torch.int64).tolist()
-
-
-def _verdict(table: torch.Tensor, ranks_label: Callable[[int], str]) -> Optional[str]:
-    """The first refusal in an agreement table, in words, or None."""
-    for r, head in enumerate(_heads(table)):
-        if head[0] != _OK:
-            return f"{ranks_label(r)} refused: {_message(table[r])}"
-    return None
-
-
-def _send_object(obj: Any, pg: dist.ProcessGroup, src: int, device: torch.device,
-                 timeout: Optional[timedelta]) -> Any:
-    """`obj` from group rank `src` to every rank of `pg` (pickled; one length and one payload broadcast)."""
-    is_src = pg.rank() == src
-    blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if is_src else b""
-    n = torch.tensor([len(blob)], dtype=torch.int64, device=device)
-    broadcast(n, src, pg, timeout, "the refit's metadata broadcast")
-    total = int(n.item())
-    data = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device) if is_src
-            else torch.empty(total, dtype=torch.uint8, device=device))
-    broadcast(data, src, pg, timeout, "the refit's metadata broadcast")
-    return obj if is_src else pickle.loads(data.cpu().numpy().tobytes())
-
-
-class _Hasher:
-    """Per piece (bucket_units' rows) a 64-bit hash of the bytes a bucket's slot holds: what verify compares."""
-
-    def __init__(self, views: "_C.SlotViews"):
-        self.slot_views = views
-        self.parts: list[torch.Tensor] = []
-
-    def __call__(self, k: int, slot: torch.Tensor) -> None:
-        views = self.slot_views.views(k, slot)
-        if views:
-            self.parts.append(_C.hash_tensors(views)[:-1])
-
-    def hashes(self) -> torch.Tensor:
-        return torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.int64)
+def _refusal(v: Verdict, label: Callable[[int], str]) -> Optional[str]:
+    """The first refusal of a verdict, in words, or None."""
+    refused = v.refused()
+    return f"{label(refused[0])} refused: {refused[1]}" if refused is not None else None
 
 
 class RefitSender:
@@ -356,14 +255,11 @@ class RefitSender:
         tg = self.trainer_group if self._trainer_world > 1 else None
         msg = error
         if tg is not None:
-            ctrl = control_device(tg)
-            rec = _record(_REFUSED if error else _OK, 0, self._trainer_digest if error is None else 0, 0,
-                          error or "")
-            table = _gather(rec, tg, ctrl, timeout)
-            msg = _verdict(table, self._trainer_label)
-            if msg is None:
-                if len({head[2] for head in _heads(table)}) > 1:
-                    msg = "the trainer ranks hold different tensors (names, shapes, dtypes or sharding differ)"
+            v = verdict(Record(REFUSED if error else OK, self._trainer_digest if error is None else 0, 0, error or ""),
+                        tg, timeout=timeout)
+            msg = _refusal(v, self._trainer_label)
+            if msg is None and not v.agreed:
+                msg = "the trainer ranks hold different tensors (names, shapes, dtypes or sharding differ)"
         if self._is_sender:
             msg = self._agree_refit(msg, timeout, verify)
         msg = self._tell_trainers(msg, timeout, "the refit's verdict broadcast")
@@ -374,54 +270,37 @@ class RefitSender:
         """The sender's verdict to every trainer rank, so that all raise the same error (or none does)."""
         if self._trainer_world == 1:
             return msg
-        tg = self.trainer_group
-        rec = _record(_REFUSED if msg else _OK, 0, 0, 0, msg or "").to(control_device(tg))
-        broadcast(rec, self.sender_rank, tg, timeout, what)
-        rec = rec.cpu()
-        return _message(rec) if _heads(rec)[0][0] != _OK else None
+        mine = Record(REFUSED if msg else OK, message=msg or "") if self._is_sender else None
+        rec = broadcast_record(mine, self.trainer_group, self.sender_rank, timeout=timeout, what=what)
+        return rec.message if rec.status != OK else None
 
     def _agree_refit(self, msg: Optional[str], timeout: Optional[timedelta], verify: bool) -> Optional[str]:
+        """The sender's round with the receivers: its record's count carries its flags (verify)."""
         pg = self.refit_group
-        ctrl = control_device(pg)
         flags = _FLAG_VERIFY if verify else 0
-        rec = _record(_REFUSED if msg else _OK, flags, self.digest, 0, msg or "")
-        table = _gather(rec, pg, ctrl, timeout)
+        v = verdict(Record(REFUSED if msg else OK, self.digest, flags, msg or ""), pg, timeout=timeout)
         if msg:
             return msg
-        msg = _verdict(table, self._refit_label)
+        msg = _refusal(v, self._refit_label)
         if msg:
             return msg
-        if any(head[2] != self.digest for head in _heads(table)):  # a receiver without this plan: it gets the metadata
-            _send_object({"names": self.names, "units": self.units, "bucket_bytes": self.bucket_bytes,
-                          "digest": self.digest}, pg, self.src, ctrl, timeout)
-            table = _gather(_record(_OK, flags, self.digest, 0, ""), pg, ctrl, timeout)
-            return _verdict(table, self._refit_label)
+        if any(rec.digest != self.digest for rec in v.records):  # a receiver without this plan: it gets the metadata
+            broadcast_object({"names": self.names, "units": self.units, "bucket_bytes": self.bucket_bytes,
+                              "digest": self.digest}, pg, self.src, timeout=timeout,
+                             what="the refit's metadata broadcast")
+            return _refusal(verdict(Record(OK, self.digest, flags), pg, timeout=timeout), self._refit_label)
         return None
 
     def _verify(self, hasher: Optional[_Hasher], timeout: Optional[timedelta]) -> None:
         msg = None
         if self._is_sender:
             pg = self.refit_group
-            ctrl = control_device(pg)
-            hashes = hasher.hashes().to(ctrl)
+            hashes = hasher.hashes().to(control_device(pg))
             broadcast(hashes, self.src, pg, timeout, "the refit's verify broadcast")
-            table = _gather(_record(_OK, 0, 0, 0, ""), pg, ctrl, timeout)
-            msg = _verdict(table, self._refit_label)
+            msg = _refusal(verdict(Record(OK), pg, timeout=timeout), self._refit_label)
         msg = self._tell_trainers(msg, timeout, "the refit's verify verdict")
         if msg:
             raise VerifyError(f"coalesced_bcast refit: {msg}")
-
-
-
-class RefitBatch(list):
-    """One bucket's weights, as ``(name, tensor)`` pairs of views into the ring slot: valid only during the
-    callback (copy what you keep). A tensor larger than a bucket comes in pieces instead, listed in
-    ``pieces`` as ``(name, flat_view, first_element, full_shape)``, in order, one or more per bucket.
-    Zero-element tensors, which no bucket holds, come in one last batch as empty tensors of their shape."""
-
-    def __init__(self, pairs: list, pieces: list):
-        super().__init__(pairs)
-        self.pieces = pieces
 
 
 class RefitReceiver:
@@ -535,19 +414,16 @@ class RefitReceiver:
         if error:  # the core numbers destinations: name them
             error = re.sub(r"destination (\d+)", lambda m: f"tensor '{self._dest_keys[int(m.group(1))]}'", error)
             error = f"{error}; make a new RefitReceiver"
-        table = _gather(_record(_REFUSED if error else _OK, 0, self.digest, 0, error or ""), pg, ctrl, timeout)
-        heads = _heads(table)
-        flags, sender_digest = heads[self.src][1], heads[self.src][2]
-        msg = _verdict(table, self._label)
-        if msg is None:
-            if any(head[2] != sender_digest for head in heads):
-                meta = _send_object(None, pg, self.src, ctrl, timeout)
-                rebuild = self.digest != sender_digest
-                problem = self._make_plan(meta) if rebuild else None
-                planned = rebuild and problem is None
-                table = _gather(_record(_REFUSED if problem else _OK, 0, self.digest, 0, problem or ""), pg, ctrl,
-                                timeout)
-                msg = _verdict(table, self._label)
+        v = verdict(Record(REFUSED if error else OK, self.digest, 0, error or ""), pg, timeout=timeout)
+        flags, sender_digest = v.records[self.src].count, v.records[self.src].digest
+        msg = _refusal(v, self._label)
+        if msg is None and any(rec.digest != sender_digest for rec in v.records):
+            meta = broadcast_object(None, pg, self.src, timeout=timeout, what="the refit's metadata broadcast")
+            rebuild = self.digest != sender_digest
+            problem = self._make_plan(meta) if rebuild else None
+            planned = rebuild and problem is None
+            v = verdict(Record(REFUSED if problem else OK, self.digest, 0, problem or ""), pg, timeout=timeout)
+            msg = _refusal(v, self._label)
         if msg:
             raise AgreementError(f"coalesced_bcast refit: nothing was sent. {msg}")
         t_agreed = time.perf_counter()
@@ -599,7 +475,6 @@ class RefitReceiver:
             _, u, first, count, _ = self._rows[int(diff[0, 0])].tolist()
             problem = (f"'{self._meta['names'][u]}' (elements {first}..{first + count}) differs from the sender's "
                        f"on refit rank {pg.rank()}")
-        table = _gather(_record(_REFUSED if problem else _OK, 0, 0, 0, problem), pg, ctrl, timeout)
-        msg = _verdict(table, self._label)
+        msg = _refusal(verdict(Record(REFUSED if problem else OK, message=problem), pg, timeout=timeout), self._label)
         if msg:
             raise VerifyError(f"coalesced_bcast refit: {msg}")

@@ -1,10 +1,7 @@
 """broadcast_tensors and sync_module: plan locally, agree across ranks, then broadcast through the C++ core."""
 from __future__ import annotations
 
-import functools
-import gc
 import logging
-import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,28 +12,26 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _C
-from .agree import as_timedelta, check_agreement, group_timeout, payload_broadcast, speculate, wait_device
+from ._collectives import as_timedelta, group_timeout, payload_broadcast, speculate, wait_device
+from ._util import _group_src, _module_slots, _resolve_group, gc_paused, module_states  # noqa: F401 (re-exported)
+from .agree import check_agreement
 from .verify import verify_plan
 
 logger = logging.getLogger(__name__)
 
-#: Rings made before the agreement (csrc/pipeline.h, PreparedRun), a sync's and a load's;
-#: COALESCED_BCAST_PREPARE=0 makes them after it, as before (A/B runs).
-_PREPARE = os.environ.get("COALESCED_BCAST_PREPARE", "1") != "0"
+#: Rings are made before the agreement (csrc/pipeline.h, PreparedRun), a sync's and a load's; the load
+#: reads this name.
+_PREPARE = True
 
 # The defaults live in the C++ core (csrc/plan.h), which the perf binary shares.
 #: Bytes per ring slot. Large enough that a bucket's broadcast runs near link speed on NVLink and its
 #: fixed costs (an NCCL launch, two events, a copy kernel's start, the host's enqueue) are small beside
 #: it, small enough that the whole ring (x ring depth) stays far below a layer's size. The ring is only
 #: as large as the bytes that go through it: a state of large tensors (broadcast in place) or a few
-#: small ones never allocates it whole. On 2x H200 (torch 2.11, NCCL 2.28.9) 16k small tensors with a
-#: kept plan took 5.10 ms at 32 MiB and 4.45 ms at 64 MiB (2026-12-01), and 4.46 ms at 64 MiB against
-#: 3.98 at 128 MiB in one run (2026-12-04; one-shot 7.61 against 6.16 ms): each bucket costs ~20 us
-#: beyond its bytes on the GPU (bench/trace_pipeline.py) and ~100 us of the host's enqueue.
+#: small ones never allocates it whole. Measurements: bench/results.
 DEFAULT_BUCKET_BYTES: int = _C.defaults["bucket_bytes"]
 #: Ring slots: one being packed or unpacked while another is on the wire. A bucket's copy takes a
-#: fraction of its broadcast (64 MiB: ~60 us against ~200 us on H200), so a third slot bought
-#: nothing measurable (depth 2 against 3 at 32 MiB, 2026-12-01) and costs a bucket of memory.
+#: fraction of its broadcast, so a third slot buys nothing measurable and costs a bucket of memory.
 DEFAULT_RING_DEPTH: int = _C.defaults["ring_depth"]
 #: Contiguous tensors of at least this many bytes are broadcast where they are: no copy, no bucket.
 DEFAULT_INPLACE_MIN_BYTES: int = _C.defaults["inplace_min_bytes"]
@@ -60,30 +55,15 @@ class SyncStats:
     ring_bytes: int  # device (or host, on CPU) bytes held for the ring during the call
     seconds: float  # host wall time of the whole call; CUDA work is ordered on the caller's stream
     plan_seconds: float = 0.0  # of which: planning (dedup, checks, bucket layout)
-    agree_seconds: float = 0.0  # the cross-rank agreement, and making the ring before it (on CPU: the source's first packs)
-    agree_wait_seconds: float = 0.0  # of which waiting for other ranks to arrive (store agreement only)
+    # the cross-rank agreement, and making the ring before it (on CPU: the source's first packs)
+    agree_seconds: float = 0.0
+    agree_wait_seconds: float = 0.0  # of which waiting for other ranks to arrive (store rounds only)
     enqueue_seconds: float = 0.0  # queueing the broadcasts (on CPU/gloo: running them)
     # tensors this rank could send in place but sent through buckets, as another rank could not
     # (a non-contiguous or unaligned copy there): routes must pair up across ranks
     rerouted: int = 0
     inplace_ops: int = 0  # broadcasts the in-place tensors took: tensors back to back in one buffer share one
     speculated: int = 0  # buckets sent ring to ring before the agreement and used (plan_sync(speculate=True))
-
-
-def _resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
-    if not dist.is_initialized():
-        raise RuntimeError("coalesced_bcast needs torch.distributed to be initialized (init_process_group)")
-    return group if group is not None else dist.group.WORLD
-
-
-def _group_src(pg: dist.ProcessGroup, src: int) -> int:
-    """`src` is a global rank, as everywhere in torch.distributed; the core wants the group rank."""
-    ranks = dist.get_process_group_ranks(pg)
-    if src not in ranks:
-        raise ValueError(
-            f"src={src} is not a rank of the group (its global ranks: {ranks[:16]}{'...' if len(ranks) > 16 else ''}),"
-            f" on rank {dist.get_rank()}")
-    return ranks.index(src)
 
 
 class _Names(Sequence[str]):
@@ -110,26 +90,6 @@ def _check_types(tensors: list, names: Sequence[str], rank: int) -> None:
         if not isinstance(t, torch.Tensor):
             label = f" ('{names[i]}')" if i < len(names) else ""
             raise TypeError(f"tensor {i}{label} on rank {rank} is a {type(t).__name__}, not a torch.Tensor")
-
-
-def gc_paused(fn):
-    """Run ``fn`` with Python's cyclic garbage collector paused, and restored afterwards.
-
-    A call over many tensors allocates enough small objects to trigger collections, and each one
-    walks every object the process tracks (the model's parameters among them): on the CPU machine
-    they were half the time of a 16k-tensor load_full_state_dict (1.8 -> 0.9 s) and a quarter of
-    broadcast_tensors' planning. What the call frees is freed by reference counting anyway.
-    """
-    @functools.wraps(fn)
-    def paused(*args, **kwargs):
-        was = gc.isenabled()
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if was:
-                gc.enable()
-    return paused
 
 
 class SyncPlan:
@@ -248,7 +208,7 @@ class SyncPlan:
         first it found unchanged)."""
         agreed, self._agreed = self._agreed, None
         ring, self._ring = self._ring, None
-        if agreed is None or not _PREPARE:
+        if agreed is None:
             return None, 0
         plan, generation = agreed
         is_src = self._rank == self.src
@@ -281,7 +241,7 @@ class SyncPlan:
                             and (not is_src or prepared.packed > 0))
             # The ring before the agreement (csrc/pipeline.h, PreparedRun): a rank that cannot have it refuses
             # there, so that every rank raises; the source's first packs run while the ranks agree.
-            elif error is None and _PREPARE and plan.can_prepare:
+            elif error is None and plan.can_prepare:
                 try:
                     prepared = plan.prepare(is_src)
                 except Exception as e:  # out of memory, mostly: a refusal, as any rank's problem before the agreement
@@ -303,7 +263,7 @@ class SyncPlan:
                 self._rerouted += inplace - plan.num_inplace
                 logger.debug("coalesced_bcast: %d tensors go through buckets on every rank, as some rank cannot "
                              "send them in place", inplace - plan.num_inplace)
-            if dropped and self._speculate and _PREPARE and plan.can_prepare:
+            if dropped and self._speculate and plan.can_prepare:
                 prepared = plan.prepare(is_src)  # a ring to keep, so that the next run speculates again
             t_agreed, t_sent = time.perf_counter(), time.monotonic()
             enqueue_seconds, ring_bytes, *_ = payload_broadcast(plan, pg, self._src_group, timeout, prepared=prepared)
@@ -372,7 +332,7 @@ def broadcast_tensors(
             waits on the host for its transfer to finish, so that a rank that stalls raises
             CollectiveError here within ``timeout`` (without it, the call returns once the transfer
             is queued and a stall is left to torch's NCCL watchdog).
-        verify: after the sync, hash every tensor on every rank and compare (one 32-byte all_reduce);
+        verify: after the sync, hash every tensor on every rank and compare (one small agreement round);
             raise VerifyError on every rank, naming the first differing tensor, if any rank differs.
 
     Every rank must call this with tensors of the same structure (checked before any byte moves).
@@ -384,44 +344,6 @@ def broadcast_tensors(
     options = _options(bucket_bytes, ring_depth, inplace_min_bytes, coalesce_bytes, small_inplace_max)
     plan = SyncPlan(list(tensors), src, group, names, options)
     return plan._send(timeout, verify, plan._error)
-
-
-def module_states(module: nn.Module, include_buffers: bool = True) -> tuple[list[str], list[torch.Tensor]]:
-    """Every parameter and buffer (non-persistent ones too), tied names kept, in registration order."""
-    named = list(module.named_parameters(remove_duplicate=False))
-    if include_buffers:
-        named += [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
-    return [n for n, _ in named], [t for _, t in named]
-
-
-def _module_slots(module: nn.Module, include_buffers: bool, *, dedupe: bool = False,
-                  names: Optional[list] = None) -> tuple[list[dict], list[str], list[torch.Tensor]]:
-    """The dicts that hold them, their keys and the tensors, for every parameter and buffer, in
-    module_states' order: a kept plan checks each dict still holds the same object. Tied names are
-    kept unless ``dedupe`` (then as named_parameters(): each module and tensor once). ``names``: a list
-    to append each dotted name to, for callers that want names up front rather than on an error."""
-    if names is None:
-        found = _C.module_slots(module, include_buffers, dedupe)  # one C++ pass; None: state not in dicts
-        if found is not None:
-            return found
-    owners: list = []
-    keys: list = []
-    tensors: list = []
-    seen: set = set()
-    for attr in ("_parameters", "_buffers") if include_buffers else ("_parameters",):
-        for prefix, m in module.named_modules(remove_duplicate=dedupe):
-            d = getattr(m, attr)
-            for k, t in d.items():
-                if t is None or (dedupe and id(t) in seen):
-                    continue
-                if dedupe:
-                    seen.add(id(t))
-                if names is not None:
-                    names.append(f"{prefix}.{k}" if prefix else k)
-                owners.append(d)
-                keys.append(k)
-                tensors.append(t)
-    return owners, keys, tensors
 
 
 @gc_paused

@@ -1,11 +1,12 @@
-"""Prove after a sync that every rank holds the source's bytes, at the cost of one 32-byte all_reduce.
+"""Prove after a sync that every rank holds the source's bytes, at the cost of one small agreement round.
 
 Each rank hashes every tensor where it lives (csrc/verify*.{h,cpp,cu}: a 64-bit hash per tensor over its
 bytes in logical order, any single changed word always detected; two launches on CUDA whatever the
-number of tensors) and folds the hashes into one digest. One all_reduce(MAX) of (digest, ~digest,
-count, ~count) tells every rank whether all digests are equal. Only on a difference do the ranks
-reduce the per-tensor hashes to find the first differing tensor and gather each rank's hash of it, so
-that every rank raises the same VerifyError naming it and the ranks that differ from the source.
+number of tensors) and folds the hashes into one digest. One agreement round (agree.Agreement: through
+the group's store for small groups, else one small all_gather) of (digest, count) tells every rank
+whether all digests are equal. Only on a difference do the ranks reduce the per-tensor hashes to find
+the first differing tensor and gather each rank's hash of it, so that every rank raises the same
+VerifyError naming it and the ranks that differ from the source.
 """
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .agree import all_gather, all_reduce_max, as_timedelta, control_device, to_host
+from ._collectives import all_gather, all_reduce_max, as_timedelta, control_device, to_host
+from .agree import OK, Agreement, Record
 
+
+_RECORD_BYTES = 32  # a verify's record: its header (digest and count) and no message
 
 class VerifyError(RuntimeError):
     """Raised on every rank when some rank's tensors differ from the source's after a sync."""
@@ -52,22 +56,21 @@ def _label(index: int, names: Sequence[str]) -> str:
 
 def _verify(tensors: Sequence[torch.Tensor], label: Callable[[int], str], nbytes: int, pg: dist.ProcessGroup,
             src: int, timeout: Optional[timedelta]) -> VerifyStats:
-    """`src` is the source's group rank; label(i) names tensor i (only on failure: 16k f-strings cost ms)."""
+    """`src` is the source's group rank; label(i) names tensor i (called only on failure: an f-string per
+    tensor costs time)."""
     t0 = time.perf_counter()
-    cdev = control_device(pg)
     hashes = tensor_hashes(tensors)
     n = len(tensors)
-    head = torch.cat([hashes[n:], torch.tensor([n], dtype=torch.int64, device=hashes.device)])
-    head = torch.cat([head, ~head]).to(cdev)
-    t_sent = time.monotonic()
-    all_reduce_max(head, pg, timeout, what="the verify all_reduce")
-    hi_digest, hi_n, not_lo_digest, not_lo_n = to_host(head, "the verify all_reduce", pg, timeout, t_sent).tolist()
-    ranks = dist.get_process_group_ranks(pg)
-    if hi_n != ~not_lo_n:  # every rank got here, so every rank raises this
-        raise VerifyError(f"coalesced_bcast verify: the ranks passed between {~not_lo_n} and {hi_n} tensors "
-                          f"(rank {dist.get_rank()} passed {n}); nothing can be compared")
-    if hi_digest == ~not_lo_digest:
+    digest = int(to_host(hashes[n:], "the verify hash", pg, timeout, time.monotonic())[0])
+    verdict = Agreement(pg, timeout, size=_RECORD_BYTES).verdict(Record(OK, digest, n))
+    if verdict.agreed:
         return VerifyStats(tensors=n, bytes=nbytes, seconds=time.perf_counter() - t0)
+    counts = [rec.count for rec in verdict.records]
+    if len(set(counts)) > 1:  # every rank got here, so every rank raises this
+        raise VerifyError(f"coalesced_bcast verify: the ranks passed between {min(counts)} and {max(counts)} tensors "
+                          f"(rank {dist.get_rank()} passed {n}); nothing can be compared")
+    ranks = dist.get_process_group_ranks(pg)
+    cdev = control_device(pg)
 
     # Rare path: find the tensors that differ, then who differs from the source on the first one.
     per = hashes[:n].to(cdev)
@@ -92,7 +95,7 @@ def verify_tensors(tensors: Sequence[torch.Tensor], src: int = 0, group: Optiona
     """Check that every rank's ``tensors`` hold the source's bytes; raise VerifyError on every rank if not.
 
     Collective: every rank of ``group`` must call it with tensors of the same structure. ``src`` is a
-    global rank. Costs one hash pass over the tensors where they live and one 32-byte all_reduce; tied
+    global rank. Costs one hash pass over the tensors where they live and one agreement round; tied
     tensors passed twice are hashed twice (pass each once to save the time).
     """
     if not dist.is_initialized():
