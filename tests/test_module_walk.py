@@ -10,6 +10,33 @@ from coalesced_bcast import _C
 from coalesced_bcast.sync import _module_slots, module_states
 
 
+def _walk_modules_py(model: nn.Module) -> tuple:
+    """The reference for the load's C++ walk (_C.load_walk, state_dict._walk_modules), in Python, the way
+    state_dict() walks: the state-dict keys that hold a module's extra state, the ids of the model's own
+    parameters and buffers (a _C.IdSet), and the (prefix, module) of each module with load pre-hooks or a
+    _load_from_state_dict defined outside torch."""
+    from coalesced_bcast._load_checks import _from_torch
+    from coalesced_bcast.state_dict import _EXTRA
+    base = nn.Module.get_extra_state
+    extra: dict = {}
+    owned: set = set()
+    custom: list = []
+
+    def walk(m: nn.Module, prefix: str) -> None:
+        owned.update(id(t) for t in m._parameters.values() if t is not None)
+        owned.update(id(t) for t in m._buffers.values() if t is not None)
+        if type(m).get_extra_state is not base:
+            extra[prefix + _EXTRA] = m
+        if getattr(m, "_load_state_dict_pre_hooks", None) or not _from_torch(type(m)._load_from_state_dict):
+            custom.append((prefix, m))
+        for name, child in m._modules.items():
+            if child is not None:
+                walk(child, prefix + name + ".")
+
+    walk(model, "")
+    return extra, _C.IdSet(owned), custom
+
+
 class Block(nn.Module):
     def __init__(self, shared: nn.Module):
         super().__init__()
@@ -134,8 +161,7 @@ def test_load_walk_is_state_dicts_walk():
     assert id(other) not in owned and "x" not in owned
     again = _walk_modules(root)
     assert again[0] == extra and again[1].to_set() == owned.to_set()
-    from coalesced_bcast.state_dict import _walk_modules_py
-    py_extra, py_owned, py_custom = _walk_modules_py(root)  # the fallback, walked in Python, agrees
+    py_extra, py_owned, py_custom = _walk_modules_py(root)  # the reference, walked in Python, agrees
     assert py_extra == extra and py_owned.to_set() == owned.to_set() and py_custom == custom
 
 
@@ -151,11 +177,11 @@ def test_id_set_holds_exactly_its_ids():
 
 
 def test_load_walk_leaves_other_mappings_to_python():
-    from coalesced_bcast.state_dict import _EXTRA, _walk_modules, _walk_modules_py
+    from coalesced_bcast.state_dict import _EXTRA, _walk_modules
     m = Model()
     m.head._buffers = OrderedDict()  # read in C++, as a dict
     assert _C.load_walk(m, nn.Module.get_extra_state, _EXTRA) == _walk_modules_py(m)
     m.head._buffers = Frozen({})
     assert _C.load_walk(m, nn.Module.get_extra_state, _EXTRA) is None
-    extra, owned, _ = _walk_modules(m)  # the Python walk (_walk_modules_py)
-    assert extra == {} and id(m.embed.weight) in owned
+    with pytest.raises(TypeError, match="the module walk cannot read this model"):
+        _walk_modules(m)  # the load has one walk, the C++ one: it says why it cannot read this model

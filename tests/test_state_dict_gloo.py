@@ -30,7 +30,8 @@ from dist_utils import run_ranks
 from zoo import bits, fill_random_bytes, same_bits
 
 import coalesced_bcast
-from coalesced_bcast.state_dict import LoadStateDictError, _idle_fsdp_hook, load_full_state_dict
+from coalesced_bcast._load_plan import _idle_fsdp_hook
+from coalesced_bcast.state_dict import LoadStateDictError, load_full_state_dict
 
 SMALL = dict(bucket_bytes=4096)  # most tensors span several buckets
 
@@ -246,7 +247,7 @@ def check_plain(rank: int, ws: int) -> None:
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    log = logging.getLogger("coalesced_bcast.state_dict")
+    log = logging.getLogger("coalesced_bcast")  # the load's modules log under the package's name
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     big_sd = random_sd(Net(rows=1_000_000), seed=4)
@@ -450,9 +451,10 @@ class _RecordFed:
 
 def check_many_keys(rank: int, ws: int) -> None:
     """More keys than load_dests reads ahead (groups of 16, several groups deep), DTensors and plain buffers
-    alternating: every key lands bitwise, through the plan fed by load_dests as it reads (and the same without
-    it; and with the checkpoint's keys sorted, in another order than the model's), and a bad key late in the list is the one named, on every rank, the fed plan dropped. A plain model
-    that names one buffer by two keys takes the plan made after load_dests, and the last key's value."""
+    alternating: every key lands bitwise, through the plan fed by load_dests as it reads (also with the
+    checkpoint's keys sorted, in another order than the model's), and a bad key late in the list is the one
+    named, on every rank, the fed plan dropped. A plain model that names one buffer by two keys takes the plan
+    made after load_dests, and the last key's value."""
     mesh = init_device_mesh("cpu", (ws,))
 
     def build() -> nn.Module:
@@ -464,17 +466,12 @@ def check_many_keys(rank: int, ws: int) -> None:
         return m
 
     sd = random_sd(Blocks(), seed=11)
-    for feed in ("1", "0"):
-        os.environ["COALESCED_BCAST_LOAD_FEED"] = feed
-        model = build()
-        try:
-            with _RecordFed() as fed:
-                stats = load_full_state_dict(model, sd if rank == 0 else None, bucket_bytes=4096)
-        finally:
-            del os.environ["COALESCED_BCAST_LOAD_FEED"]
-        assert stats.keys == 234, stats
-        assert [p.used for p in fed] == ([True] if feed == "1" else []), (rank, feed)
-        assert_same_as_reference(model, reference(Blocks, sd), f"many keys, feed {feed}")
+    model = build()
+    with _RecordFed() as fed:
+        stats = load_full_state_dict(model, sd if rank == 0 else None, bucket_bytes=4096)
+    assert stats.keys == 234, stats
+    assert [p.used for p in fed] == [True], rank
+    assert_same_as_reference(model, reference(Blocks, sd), "many keys, fed")
     # Keys sorted as strings (a safetensors file's order: blocks.0, blocks.1, blocks.10, ...): the plan is fed
     # the table's rows in the model's order.
     model = build()
@@ -489,15 +486,16 @@ def check_many_keys(rank: int, ws: int) -> None:
     (fp,) = [h.__closure__[0].cell_contents for h in model.blocks[6]._load_state_dict_post_hooks.values()]
     assert fp.sharded_param is w
     fill_sentinel(model)
-    from coalesced_bcast import _C
+    from coalesced_bcast import _C, _load_plan
     real_judgment, begun = _C.HookJudgment, []
     _C.HookJudgment = lambda m: begun.append(m) or real_judgment(m)
-    os.environ["COALESCED_BCAST_LOAD_HOOKS_JUDGED"] = "transfer"
+    real_after = _load_plan._judge_hooks_after_transfer
+    _load_plan._judge_hooks_after_transfer = lambda device: True  # a GPU load's rule, on this CPU model
     try:
         with _RecordFed() as fed:
             load_full_state_dict(model, sd if rank == 0 else None, bucket_bytes=4096)
     finally:
-        del os.environ["COALESCED_BCAST_LOAD_HOOKS_JUDGED"]
+        _load_plan._judge_hooks_after_transfer = real_after
         _C.HookJudgment = real_judgment
     assert [p.used for p in fed] == [True] and begun == [], (rank, [p.used for p in fed], len(begun))
     assert fp.sharded_param is model.blocks[6].w
@@ -549,9 +547,11 @@ def test_exported() -> None:
 
 def test_checkpoint_keys_cross_as_one_string_and_split_back() -> None:
     """The metadata's keys go as one NUL-joined string where that splits back into them, else as the list; every
-    rank compares its model's keys with them either way (state_dict.py _joined, _to_wire, _same_keys)."""
+    rank compares its model's keys with them either way (_load_keys._joined, _load_source._to_wire,
+    _load_keys._same_keys)."""
     import pickle
-    from coalesced_bcast.state_dict import _ModelState, _checkpoint_keys, _from_wire, _joined, _same_keys, _to_wire
+    from coalesced_bcast._load_keys import _ModelState, _checkpoint_keys, _joined, _same_keys
+    from coalesced_bcast._load_source import _from_wire, _to_wire
 
     def model(keys, joined):
         return _ModelState(keys, joined, [])
@@ -579,9 +579,9 @@ def test_checkpoint_keys_cross_as_one_string_and_split_back() -> None:
 
 def test_metadata_tables_cross_compact_and_come_back_equal() -> None:
     """The metadata's int64 tables go without trailing zero columns, and 0..n-1 columns as their length
-    (state_dict.py _to_wire); every shape comes back equal (_from_wire)."""
+    (_load_source._to_wire); every shape comes back equal (_from_wire)."""
     import pickle
-    from coalesced_bcast.state_dict import _from_wire, _to_wire
+    from coalesced_bcast._load_source import _from_wire, _to_wire
 
     g = torch.Generator().manual_seed(0)
     n = 16384
