@@ -38,7 +38,7 @@ def test_threaded_pack_equals_concatenation(threads):
 
 
 def _unit_row(t):
-    from coalesced_bcast.state_dict import _dtype_code
+    from coalesced_bcast._util import _dtype_code
     row = torch.zeros(10, dtype=torch.int64)
     row[0], row[1] = _dtype_code(t.dtype), t.dim()
     row[2:2 + t.dim()] = torch.tensor(t.shape)

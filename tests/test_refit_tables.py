@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from coalesced_bcast import _C
-from coalesced_bcast.state_dict import _dtype_code
+from coalesced_bcast._util import _dtype_code
 from zoo import fill_random_bytes, same_bits
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and _C.with_cuda else [])

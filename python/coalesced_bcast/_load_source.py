@@ -12,9 +12,8 @@ import torch.nn as nn
 
 from . import _C, _dtensor
 from ._load_keys import _NBT, _NO_MODEL_STATE, _keys_and_joined, _ModelState, _norm_versions, _same_keys
-from .agree import control_stream
+from .agree import broadcast_bytes
 
-_META_CHUNK = 512 << 10  # metadata crosses a GPU in pieces this size: small-pool device blocks only
 _PLAIN = (torch.Tensor, nn.Parameter)
 
 
@@ -105,15 +104,13 @@ def _check_options(bucket_bytes: int, ring_depth: int) -> Optional[str]:
     return None
 
 
-def _broadcast_meta(meta: Optional[dict], pg: dist.ProcessGroup, src_g: int, ctrl: torch.device,
-                    rank: int) -> tuple[dict, Optional[str]]:
-    """The source's metadata on every rank, and why this rank cannot read it (None: it can). Every rank
-    takes part in every broadcast whatever fails, so that a failure reaches the agreement instead of
-    leaving the others waiting."""
+def _broadcast_meta(meta: Optional[dict], pg: dist.ProcessGroup, src_g: int, rank: int) -> tuple[dict, Optional[str]]:
+    """The source's metadata on every rank (agree.broadcast_bytes), and why this rank cannot read it (None: it
+    can). Every rank takes part in every broadcast whatever fails, so that a failure reaches the agreement
+    instead of leaving the others waiting."""
     if pg.size() == 1:  # the source alone: nothing to send (and nothing to pickle)
         return meta, None
-    src = dist.get_global_rank(pg, src_g)
-    blob = b""
+    blob = None
     if meta is not None:
         try:
             blob = pickle.dumps(_to_wire(meta), protocol=pickle.HIGHEST_PROTOCOL)
@@ -121,39 +118,14 @@ def _broadcast_meta(meta: Optional[dict], pg: dist.ProcessGroup, src_g: int, ctr
             meta = dict(fatal=f"rank {rank}: the checkpoint's metadata (keys, shapes, extra states) cannot be "
                               f"pickled: {type(e).__name__}: {e}")
             blob = pickle.dumps(meta)
-    # On the control stream, as the agreement's records: the host waits for these alone, not for what the caller
-    # queued before the load (its model's initialization, say).
-    with control_stream(ctrl):
-        n = torch.tensor([len(blob)], dtype=torch.int64, device=ctrl)
-        dist.broadcast(n, src, group=pg)
-        host = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if meta is not None
-                else torch.empty(int(n.item()), dtype=torch.uint8))
-        _broadcast_bytes(host, meta is not None, src, pg, ctrl)
+    got = broadcast_bytes(blob, pg, src_g, what="the load's metadata broadcast")
     if meta is not None:
         return meta, None
     try:
-        return _from_wire(pickle.loads(memoryview(host.numpy()))), None
+        return _from_wire(pickle.loads(got)), None
     except Exception as e:  # an extra state whose class this process cannot import, say
         return dict(fatal=None), (f"the source's metadata cannot be unpickled on rank {rank}: "
                                   f"{type(e).__name__}: {e}")
-
-
-def _broadcast_bytes(host: torch.Tensor, is_src: bool, src: int, pg: dist.ProcessGroup, ctrl: torch.device) -> None:
-    """host's bytes from the source into host on every rank."""
-    total = host.numel()
-    if ctrl.type == "cpu":
-        # gloo reads and writes host memory: the bytes go as they lie, in one broadcast, with no staging copy.
-        if total:
-            dist.broadcast(host, src, group=pg)
-        return
-    chunk = torch.empty(min(total, _META_CHUNK), dtype=torch.uint8, device=ctrl)
-    for lo in range(0, total, _META_CHUNK):
-        part = chunk[:min(_META_CHUNK, total - lo)]
-        if is_src:
-            part.copy_(host[lo:lo + part.numel()])
-        dist.broadcast(part, src, group=pg)
-        if not is_src:
-            host[lo:lo + part.numel()].copy_(part)
 
 
 _WIRE_TABLES = ("rows", "table", "canon")  # the metadata's int64 tensors
@@ -164,7 +136,7 @@ def _to_wire(meta: dict) -> dict:
     they can be, not a list: a pickled tensor goes through torch's storage reduction, which costs more than the
     rest of the metadata, and a list of keys a Python step per key. A table goes without its trailing columns of
     zeros (the size columns past every tensor's last dimension), a 0, 1, ..., n-1 column (rows, canon without
-    ties) as its length alone: fewer bytes to go through device memory in _META_CHUNK pieces."""
+    ties) as its length alone: fewer bytes to go through device memory in agree.META_CHUNK pieces."""
     wire = dict(meta)
     if wire.get("keys_joined") is not None:
         wire["keys"] = None  # the joined string goes instead (_checkpoint_keys)

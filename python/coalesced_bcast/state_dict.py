@@ -24,8 +24,6 @@ _load_agree (one verdict for every rank).
 """
 from __future__ import annotations
 
-import array
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -147,14 +145,14 @@ def load_full_state_dict(
         state = _read_model(model, sd, strict, is_src, skip_custom_load_logic, pg, ctrl)
         meta, src_tensors = _describe(sd, state, early, bucket_bytes, ring_depth, rank) if is_src else (None, None)
         early = None
-        meta, unreadable = _broadcast_meta(meta, pg, src_g, ctrl, rank)
+        meta, unreadable = _broadcast_meta(meta, pg, src_g, rank)
         if meta["fatal"]:
             raise LoadStateDictError(f"load_full_state_dict: source rank {src} refused, so no rank loaded "
                                      f"anything: {meta['fatal']}")
         plan = _plan_load(model, state.model_sd, state.keys, state.extra, state.owned, meta, src_tensors, strict,
                           state.device, is_src, rank, state.error or unreadable, bucket_bytes, ring_depth, copy_threads)
         try:
-            strict_after_hooks = _agree(plan, pg, src_g, ctrl, rank)
+            strict_after_hooks = _agree(plan, pg, src_g)
         except BaseException:
             plan.prepared = None  # its ring freed now, not when the traceback goes
             raise
@@ -230,7 +228,7 @@ def _after_transfer(plan: _Plan, model: nn.Module, strict: bool, strict_after_ho
                 raise
             hook_error = e  # the others wait for this rank's verdict below: it must reach them
         if strict_after_hooks:
-            _strict_after_hooks(plan, model, strict, pg, ctrl, rank, hook_error)
+            _strict_after_hooks(plan, model, strict, pg, rank, hook_error)
     finally:
         if reads is not None:  # the caller may free or change the source's tensors once this returns
             host_reads_wait(reads, pg, timeout)
@@ -248,45 +246,3 @@ def _stats(plan: _Plan, buckets: int, is_src: bool, t0: float) -> LoadStats:
                     "%.2f GB/s", stats.keys, stats.tensors, stats.bytes / 2**30, stats.buckets, stats.cast_keys,
                     stats.seconds, stats.bytes / max(stats.seconds, 1e-9) / 1e9)
     return stats
-
-
-# ---------------------------------------------------------------------------------------------------
-# dtype codes and int64 tables, which refit.py imports from here.
-
-
-def _int64_table(rows: list[list[int]], width: int) -> torch.Tensor:
-    """rows as an int64 [len(rows), width] tensor, through one flat buffer (nested lists convert slowly)."""
-    flat = array.array("q", itertools.chain.from_iterable(rows))
-    return torch.frombuffer(flat, dtype=torch.int64).reshape(len(rows), width) if rows else \
-        torch.zeros((0, width), dtype=torch.int64)
-
-
-_CODES: dict[torch.dtype, int] = {}
-#: What the engine casts between (csrc/cast.h: castable()).
-_CASTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
-             torch.int32, torch.int64, torch.bool)
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    """c10::ScalarType's number for dtype (what the engine's tables hold)."""
-    code = _CODES.get(dtype)
-    if code is None:
-        code = _CODES[dtype] = _C.scalar_type_code(dtype)
-    return code
-
-
-def _dtype_of_code(code: int) -> torch.dtype:
-    """The dtype whose c10::ScalarType number is `code` (_dtype_code's inverse)."""
-    if not _DTYPES:  # every dtype torch names, once
-        for d in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:
-            try:
-                _DTYPES[_dtype_code(d)] = d
-            except (TypeError, RuntimeError):  # a dtype this torch names but cannot convert
-                pass
-    dtype = _DTYPES.get(code)
-    if dtype is None:
-        raise ValueError(f"no torch dtype has scalar type number {code}")
-    return dtype
-
-
-_DTYPES: dict[int, torch.dtype] = {}
