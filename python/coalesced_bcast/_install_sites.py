@@ -359,8 +359,9 @@ def _ddp_verify_params(original: Callable, process_group: dist.ProcessGroup, ten
         raise
 
 
-# --------------------------------------------------------------------------------------- install API
+# ------------------------------------------------------------------------------ what install() patches
 
+#: (module, or module.Class, that holds the name; the name; its replacement; what a torch without it loses)
 _REPLACEMENTS: list[tuple[str, str, Callable, str]] = [
     (_FSDP, "_sync_module_params_and_buffers", _fsdp_sync_module_params_and_buffers,
      "FSDP1 will not restore tied weights lost by to_empty"),
