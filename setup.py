@@ -1,6 +1,9 @@
 """Builds coalesced_bcast._C: a CUDAExtension when torch has CUDA and nvcc is found, else a CppExtension.
 
-Sources follow pytorch/extension-cpp: every csrc/*.cpp always, csrc/*.cu only in a CUDA build.
+Sources follow pytorch/extension-cpp: every csrc/*.cpp always, csrc/*.cu only in a CUDA build. The
+package's metadata (name, version, dependencies, license) is in pyproject.toml; this file adds the
+extension, built against the torch already installed, so the build runs without isolation
+(`pip install --no-build-isolation --use-pep517 -e .`, as scripts/setup.sh does).
 """
 import glob
 import importlib.util
@@ -9,9 +12,14 @@ import shutil
 import subprocess
 import tempfile
 
-from setuptools import find_packages, setup
-import torch
-from torch.utils import cpp_extension
+from setuptools import setup
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError as e:  # an isolated build: pip's fresh environment holds no torch
+    raise RuntimeError("coalesced_bcast builds against the installed torch: install torch first, then build "
+                       "without isolation (pip install --no-build-isolation --use-pep517 -e .)") from e
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -160,16 +168,8 @@ def extension():
         extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]})
 
 
-
 if __name__ == "__main__":  # tests import the helpers above (runpy) without building
     setup(
-        name="coalesced_bcast",
-        version="0.1.0",
-        description="Broadcast a model's parameters and buffers from one rank with bounded memory",
-        package_dir={"": "python"},
-        packages=find_packages("python"),
         ext_modules=[extension()],
         cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
-        python_requires=">=3.9",
-        install_requires=["torch>=2.4"],  # tested 2.4.1 through 2.15.0 (README: Supported versions)
     )

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets up a virtual environment with torch and builds the extension in place (editable install).
 # VENV: where (default .venv). TORCH_SPEC: which torch (default torch==2.14.1, the CUDA 13.0 wheel).
-# A second run reuses the build when nothing it depends on changed (csrc/, setup.py, the torch spec,
-# the build's environment): it then takes seconds. COALESCED_BCAST_REBUILD=1 forces a build.
+# A second run reuses the build when nothing it depends on changed (csrc/, setup.py, pyproject.toml,
+# the version, the torch spec, the build's environment): it then takes seconds.
+# COALESCED_BCAST_REBUILD=1 forces a build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -19,7 +20,7 @@ PKG=python/coalesced_bcast
 stamp() {  # what the build depends on, hashed
   {
     echo "$TORCH_SPEC ${COALESCED_BCAST_CPU_ONLY:-} ${TORCH_CUDA_ARCH_LIST:-} ${CXX:-} $("$VENV/bin/python" -V 2>&1)"
-    cat setup.py csrc/*
+    cat setup.py pyproject.toml python/coalesced_bcast/_version.py csrc/*
   } | sha256sum | cut -d' ' -f1
 }
 restore() {

@@ -1,6 +1,7 @@
 """setup.py: its choice of host compiler (see its pick_host_compiler: a compiler that links libstdc++
 code into the extension made every error message crash the process on the GPU image), the GPU
-architectures a CUDA build targets, and the torch version a build records and checks at import."""
+architectures a CUDA build targets, and the torch version a build records and checks at import;
+pyproject.toml: the package's metadata, its one version and its license."""
 import os
 import re
 import runpy
@@ -162,3 +163,50 @@ def test_import_leaves_dtensor_unimported():
                          env=dict(os.environ, PYTHONPATH=root))
     assert out.returncode == 0, out
     assert "dtensor: []" in out.stdout, out
+
+
+# ------------------------------------------------------------------ metadata, version, license
+
+def _pyproject() -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.9, 3.10
+        tomllib = pytest.importorskip("tomli")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def test_version_is_read_from_one_file():
+    """_version.py holds the version; pyproject.toml reads it (setuptools' dynamic attr), the package
+    exports it, and the installed distribution's metadata carries it."""
+    import importlib.metadata
+
+    import coalesced_bcast
+
+    own = runpy.run_path(os.path.join(ROOT, "python", "coalesced_bcast", "_version.py"))["__version__"]
+    assert re.fullmatch(r"\d+\.\d+\.\d+([.-]?\w+)*", own), own
+    assert coalesced_bcast.__version__ == own
+    meta = _pyproject()
+    assert "version" not in meta["project"] and "version" in meta["project"]["dynamic"]
+    assert meta["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "coalesced_bcast._version.__version__"}
+    try:
+        installed = importlib.metadata.version("coalesced_bcast")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("coalesced_bcast is not installed (imported from PYTHONPATH): no metadata to compare")
+    assert installed == own
+
+
+def test_pyproject_builds_without_isolation_against_the_installed_torch():
+    """torch is a dependency, not a build requirement (an isolated build would install another torch and
+    build the extension against it); the license is BSD-3-Clause, its text the LICENSE file."""
+    meta = _pyproject()
+    requires = meta["build-system"]["requires"]
+    assert meta["build-system"]["build-backend"] == "setuptools.build_meta"
+    assert not any(r.split(">")[0].split("=")[0].strip() == "torch" for r in requires), requires
+    project = meta["project"]
+    assert project["name"] == "coalesced_bcast" and project["requires-python"] == ">=3.9"
+    assert project["dependencies"] == ["torch>=2.4"]
+    assert project["license"] == "BSD-3-Clause" and project["license-files"] == ["LICENSE"]
+    with open(os.path.join(ROOT, "LICENSE")) as f:
+        text = f.read()
+    assert text.startswith("BSD 3-Clause License") and "the coalesced_bcast authors" in text

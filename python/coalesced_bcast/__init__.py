@@ -8,6 +8,7 @@
 """
 import torch as _torch
 
+from ._version import __version__
 from . import _compat
 
 # Before anything loads _C: under another torch than the build's, say so (an ImportError naming both).
