@@ -19,10 +19,6 @@ from .verify import verify_plan
 
 logger = logging.getLogger(__name__)
 
-#: Rings are made before the agreement (csrc/pipeline.h, PreparedRun), a sync's and a load's; the load
-#: reads this name.
-_PREPARE = True
-
 # The defaults live in the C++ core (csrc/plan.h), which the perf binary shares.
 #: Bytes per ring slot. Large enough that a bucket's broadcast runs near link speed on NVLink and its
 #: fixed costs (an NCCL launch, two events, a copy kernel's start, the host's enqueue) are small beside
