@@ -30,13 +30,6 @@ namespace {
 // Byte runs into pinned host memory at least this large go by the copy engine (a few microseconds a copy).
 constexpr int64_t kHostCopyMin = 256 << 10;
 
-// COALESCED_BCAST_HOST_WRITES=kernel: every run into host memory by the scatter kernel (read when a plan
-// is made: the bench's A/B switch).
-bool host_writes_by_copy_engine() {
-  const char* v = std::getenv("COALESCED_BCAST_HOST_WRITES");
-  return v == nullptr || std::string(v) != "kernel";
-}
-
 // The runs that pack unit `u` of the source (its tensor `t`), cut at bucket boundaries.
 void add_pack_runs(Plan& plan, const Unit& u, const at::Tensor& t, int64_t index, std::vector<int32_t>& run_bucket,
                    std::vector<bool>& run_host, std::vector<int64_t>& op_source,
@@ -190,7 +183,6 @@ Plan plan_load(const at::Tensor& units_table, std::vector<at::Tensor> sources, D
     int route;     // who writes it: kByKernel, kByCopyEngine (pinned host memory), kByHost (pageable)
   };
   enum { kByKernel = 0, kByCopyEngine = 1, kByHost = 2 };
-  const bool host_copies = host_writes_by_copy_engine();
   std::vector<Piece> pieces;
   const auto expected = static_cast<size_t>(in.list != nullptr ? in.list->size() : units.size());
   pieces.reserve(expected + static_cast<size_t>(num_buckets));
@@ -264,7 +256,7 @@ Plan plan_load(const at::Tensor& units_table, std::vector<at::Tensor> sources, D
       // Large byte runs into host memory go by the copy engine: the kernel's stores cross the bus as
       // the source's reads come up it, and the two did not overlap (one H200: a 9.66 GB MoE load
       // into offloaded shards from pinned memory took the sum of the two directions' times).
-      const bool copy = host && !pageable && host_copies && flat && op.src_type == op.dst_type &&
+      const bool copy = host && !pageable && flat && op.src_type == op.dst_type &&
                         op.count * op.src_size >= kHostCopyMin;
       pieces.push_back(Piece{k, op, static_cast<int64_t>(i), pageable ? kByHost : copy ? kByCopyEngine : kByKernel});
       e = end;
@@ -318,7 +310,7 @@ Plan plan_load(const at::Tensor& units_table, std::vector<at::Tensor> sources, D
   }
   // Direct buckets (direct.cpp). The source's: bytes that lie back to back in one device storage of
   // its checkpoint tensors are broadcast from there (its own shards are then written from there too).
-  if (!sources.empty() && direct_buckets_enabled()) {
+  if (!sources.empty() && options.direct) {
     plan.direct_from_inputs = true;
     // Not from a storage that this rank also writes (a model's own tensors given as the checkpoint):
     // the scatter would read bytes that it, or a cast wider than the source, writes over.
@@ -337,7 +329,7 @@ Plan plan_load(const at::Tensor& units_table, std::vector<at::Tensor> sources, D
     }
   }
   // A receiver's: bytes that lie back to back in its destinations are broadcast straight into them.
-  if (sources.empty() && direct_buckets_enabled()) {
+  if (sources.empty() && options.direct) {
     std::vector<SpanRun> runs;
     for (size_t p = 0; p < pieces.size();) {
       const int64_t k = pieces[p].bucket;

@@ -99,18 +99,9 @@ void check_no_overlap(const Plan& plan) {
   }
 }
 
-// Planning's pass in chunks of at least this many tensors: on an H200 host
-// (16 cores, torch 2.11) 16k tensors planned in 2.20 ms with 8 chunks and 1.99
-// with 2, 64k in 9.99 ms with 8 and 11.2 with 2 (bench/plan_host.py, with the
-// tensors in the caches). COALESCED_BCAST_PLAN_GRAIN sets it (A/B runs: a
-// one-shot sync plans tensors the caches no longer hold, plan_host.py --cold).
-int64_t plan_grain() {
-  static const int64_t grain = [] {
-    const char* v = std::getenv("COALESCED_BCAST_PLAN_GRAIN");
-    return v != nullptr && std::atoll(v) > 0 ? static_cast<int64_t>(std::atoll(v)) : int64_t{8192};
-  }();
-  return grain;
-}
+// Planning's pass runs in chunks of at least this many tensors (over the host's threads): fewer and the
+// threads' start and join cost more than they save.
+constexpr int64_t kPlanGrain = 8192;
 
 // Tensors allocated one after another mostly lie in ascending order already (a
 // model's parameters: a few dozen descents in 16k): merge the ascending runs
@@ -409,7 +400,7 @@ Plan make_plan(
     } catch (...) {
       return false;
     }
-  }, plan_grain());
+  }, kPlanGrain);
   for (int64_t i = 0; i < n; ++i) {
     if (cow[i] || i == bad) visit(i, true);  // at `bad`, raises
   }

@@ -187,7 +187,7 @@ Plan make_refit_plan(
   });
   // A sender with nothing to gather: buckets whose bytes lie back to back in one of its storages, in
   // the wire's dtype, are broadcast from there (direct.cpp).
-  if (is_sender && W == 1 && direct_buckets_enabled()) {
+  if (is_sender && W == 1 && options.direct) {
     plan.direct_from_inputs = true;
     std::vector<SpanRun> runs;
     for (size_t p = 0; p < pack.size();) {  // sorted by bucket (append_sorted)
