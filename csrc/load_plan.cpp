@@ -253,9 +253,8 @@ Plan plan_load(const at::Tensor& units_table, std::vector<at::Tensor> sources, D
       op.dst_type = static_cast<int8_t>(t.scalar_type());
       op.src_size = static_cast<int8_t>(u.elem_size);
       op.dst_size = static_cast<int8_t>(t.element_size());
-      // Large byte runs into host memory go by the copy engine: the kernel's stores cross the bus as
-      // the source's reads come up it, and the two did not overlap (one H200: a 9.66 GB MoE load
-      // into offloaded shards from pinned memory took the sum of the two directions' times).
+      // Large byte runs into host memory go by the copy engine: the kernel's stores would cross the bus
+      // as the source's reads come up it, and the two do not overlap; the copy engine's do.
       const bool copy = host && !pageable && flat && op.src_type == op.dst_type &&
                         op.count * op.src_size >= kHostCopyMin;
       pieces.push_back(Piece{k, op, static_cast<int64_t>(i), pageable ? kByHost : copy ? kByCopyEngine : kByKernel});
@@ -358,8 +357,8 @@ Plan plan_load(const at::Tensor& units_table, std::vector<at::Tensor> sources, D
 }  // namespace
 
 bool DestFeed::wait(int64_t i) {
-  // Polled: load_dests puts a destination every ~0.5 us, and a wake-up per put would cost it more than
-  // the pass saves. Each poll that finds more takes all there are but the last kLag: their slots share
+  // Polled: load_dests puts destinations far faster than a thread wakes, and a wake-up per put would
+  // cost it more than the pass saves. Each poll that finds more takes all there are but the last kLag: their slots share
   // cache lines with the ones the writer fills next, which reading would pull away from it at every put.
   constexpr int64_t kLag = 64;
   while (true) {
@@ -403,7 +402,7 @@ std::optional<Plan> make_fed_load_plan(
     return std::nullopt;
   } catch (...) {
     // A problem of the plan's own, found before load_dests finished: it stands only where the feed is
-    // used (else load_dests's own, worded with the key, or the plan made as before decide).
+    // used (else load_dests's own, worded with the key, or the plan made without the feed decide).
     while (!feed.closed()) std::this_thread::sleep_for(std::chrono::microseconds(50));
     if (!feed.used()) return std::nullopt;
     throw;
@@ -460,8 +459,8 @@ std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>>
     }
   };
   // In chunks over torch's inter-op threads: each tensor's first touch is a cache miss (a checkpoint's
-  // tensors were made long before); at 16k tensors one thread's pass took 5-9 ms of the source's time
-  // before its metadata went out (one H100 host). Each chunk keeps its keys and problems, joined in order.
+  // tensors were made long before), and one thread's pass over many tensors delays the source's
+  // metadata. Each chunk keeps its keys and problems, joined in order.
   struct Found {
     std::vector<Key> keys;
     std::vector<std::pair<int64_t, std::string>> problems;

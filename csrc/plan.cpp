@@ -447,8 +447,8 @@ Plan make_plan(
     const auto& s = seen[i];
     const auto addr = plan.keys[i].addr;
     // In place only for whole, aligned 16-byte words: NCCL's LL protocol reads
-    // up to a word past the end of a buffer (compute-sanitizer memcheck on H200,
-    // NCCL 2.28.9), harmless inside our ring slots but not at a tensor's end.
+    // up to a word past the end of a buffer (compute-sanitizer's memcheck reports
+    // it), harmless inside our ring slots but not at a tensor's end.
     // A dense tensor's extent is exactly its bytes: in memory order it goes as a contiguous one does.
     const bool eligible = (s.contiguous || s.dense) && s.nbytes > 0 && s.nbytes % kAlign == 0 && addr % kAlign == 0;
     plan.input_to_unique[i] = static_cast<int64_t>(plan.unique.size());
@@ -499,9 +499,8 @@ std::string Plan::check_unchanged(int64_t first, int64_t start) const {
       const auto& k = ks[i];
       return now.addr == k.addr && now.storage == k.storage && now.shape_hash == k.shape_hash;
     };
-    // In chunks on several threads, prefetching: a kept plan checks every tensor before each run,
-    // 30-45 ns each on one thread without (16k tensors: 0.5-0.7 ms on the CPU machine), more once the
-    // tensors outgrow the caches. The first changed tensor is reported.
+    // In chunks on several threads, prefetching: a kept plan checks every tensor before each run, a
+    // cache miss each on one thread without, and more once the tensors outgrow the caches. The first changed tensor is reported.
     const int64_t i = skip + first_failing(tensors.data() + skip, n - skip, same);
     if (i == n) return std::string();
     const auto& t = tensors[i];
