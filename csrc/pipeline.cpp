@@ -212,7 +212,7 @@ int64_t PreparedRun::speculate(
       std::vector<at::Tensor> v{slot_of(*plan, arena, k)};
       auto work = pg->broadcast(v, opts);
       if (device.is_cuda()) {
-        if (work) work->wait();  // a stream wait (see broadcast_plan)
+        if (work) work->wait();  // a stream wait (Note [Broadcast stream semantics])
       } else {  // gloo's: waited for by broadcast_plan before the unpack, or by the destructor
         works.push_back(work);
         work_timeout = timeout;
