@@ -120,7 +120,7 @@ def test_load_pinned_sources_on_one_gpu(refused):
 
 
 def _load_zeroed(model, sd, switch, value, **options):
-    """A load into `model` zeroed first, with the A/B switch `switch` set to `value` (None: unset) for it alone."""
+    """A load into `model` zeroed first, with the environment switch `switch` set to `value` (None: unset) for it alone."""
     for p in model.parameters():
         p.data.zero_()
     if value is not None:
@@ -216,7 +216,7 @@ def _int16_weights(seed, count, numel):
 
 def _overwrite_after_return_body(rank, world_size):
     # Large contiguous pinned tensors only: every run goes up by the copy engine straight from the caller's
-    # memory (no host ring, no kernel reads), ~10 ms of copies on an H200.
+    # memory (no host ring, no kernel reads), copies long enough that a read after the call returned would show.
     full, model = _int16_weights(9, 2, 128 << 20)
     sd = {k: v.cpu().pin_memory() for k, v in full.items()}
     torch.cuda.synchronize()
