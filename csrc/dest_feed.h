@@ -1,11 +1,11 @@
 // dest feed: a load's destinations handed to its plan as load_dests finds
 // them. The plan's pass over the destinations (its scatter runs) then runs on
 // the planning thread beside load_dests, each tensor read while load_dests has
-// just brought it into the cache, instead of after it (at 16k keys the plan
-// took 2.9-3.7 ms after load_dests's 8.5 on an H100 host). Only the usual
-// load takes it: every checkpoint tensor one unit, in table order, each value a
-// tensor of its own (state_dict.py checks that once load_dests is done, and
-// otherwise closes the feed unused and plans as before).
+// just brought it into the cache, instead of after it, when each tensor's first
+// touch is a cache miss again. Only the usual load takes it: every checkpoint
+// tensor one unit, in table order, each value a tensor of its own (state_dict.py
+// checks that once load_dests is done, and otherwise closes the feed unused and
+// plans without it).
 #pragma once
 
 #include <ATen/ATen.h>

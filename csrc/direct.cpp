@@ -6,8 +6,6 @@
 // unsharded trainer's state and an engine's parameters laid out in one buffer
 // then move with no copy at all, as one flat broadcast in bucket-sized pieces.
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 
 #include "plan.h"
 
@@ -42,11 +40,6 @@ bool mark_direct(Plan& plan, int64_t k, std::vector<SpanRun>& runs,
   bucket.direct_offset = static_cast<int64_t>(base - reinterpret_cast<uint64_t>(first.storage->data()));
   ++plan.direct_buckets;
   return true;
-}
-
-bool direct_buckets_enabled() {
-  const char* v = std::getenv("COALESCED_BCAST_DIRECT");
-  return v == nullptr || std::string(v) != "0";
 }
 
 at::Tensor direct_bytes(const Plan& plan, int64_t k) {

@@ -1,9 +1,17 @@
 #include "executor.h"
 
+#include <atomic>
+
 #include "host_stage.h"
+#include "test_hooks.h"
 
 namespace coalesced_bcast {
 namespace {
+
+std::atomic<bool>& refuse_next_batch() {
+  static std::atomic<bool> flag{false};
+  return flag;
+}
 
 ExecutorFactory& cuda_factory() {
   static ExecutorFactory factory = nullptr;
@@ -44,6 +52,15 @@ class CpuExecutor final : public Executor {
 };
 
 }  // namespace
+
+// Defined here, in every build, so that the bindings expose the hook in a CPU build too (where it has no effect).
+void test_refuse_next_host_batch(bool refuse) {
+  refuse_next_batch().store(refuse);
+}
+
+bool take_host_batch_refusal() {
+  return refuse_next_batch().exchange(false);
+}
 
 bool register_cuda_executor(ExecutorFactory factory) {
   cuda_factory() = factory;

@@ -81,7 +81,7 @@ class Executor {
   virtual int64_t host_bytes() const {
     return 0;
   }
-  // Bytes of host runs that went up through batched copy-engine copies (COALESCED_BCAST_HOST_BATCH_MIN).
+  // Bytes of host runs that went up through batched copy-engine copies (Note [Host reads]).
   virtual int64_t host_batched_bytes() const {
     return 0;
   }

@@ -1,8 +1,8 @@
 // host_memory: whether a host tensor is page-locked, without asking CUDA for
 // torch's own allocations. is_pinned() asks CUDA (cudaPointerGetAttributes), a
-// few microseconds a tensor: an offloaded FSDP2 model of 16k parameters spent
-// 70-80 ms of its load's planning on one H200 there. The storage's deleter says
-// which of torch's allocators made it.
+// few microseconds a tensor, which over an offloaded FSDP2 model's many
+// parameters dominates its load's planning. The storage's deleter says which of
+// torch's allocators made it.
 #pragma once
 
 #include <ATen/core/Tensor.h>

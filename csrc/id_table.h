@@ -3,9 +3,8 @@
 // and buffers; IdTable<size_t>, each value's destination (load_dests.cpp). A
 // Python set of ints costs an int object per id and, per lookup, a made int, a
 // probe and a compare that reads the stored int: two cache misses a key at 16k
-// keys; a std::unordered_map allocates a node per entry (that pass took 28 ms
-// with one on the CPU machine, 13 with a flat table). Here one probe of a flat
-// table, which the caller can prefetch a few keys ahead. Like a set of id()s
+// keys; a std::unordered_map allocates a node per entry, another miss. Here one
+// probe of a flat table, which the caller can prefetch a few keys ahead. Like a set of id()s
 // it holds no reference: it is valid while the objects live.
 #pragma once
 

@@ -30,13 +30,6 @@ namespace {
 // Byte runs into pinned host memory at least this large go by the copy engine (a few microseconds a copy).
 constexpr int64_t kHostCopyMin = 256 << 10;
 
-// COALESCED_BCAST_HOST_WRITES=kernel: every run into host memory by the scatter kernel (read when a plan
-// is made: the bench's A/B switch).
-bool host_writes_by_copy_engine() {
-  const char* v = std::getenv("COALESCED_BCAST_HOST_WRITES");
-  return v == nullptr || std::string(v) != "kernel";
-}
-
 // The runs that pack unit `u` of the source (its tensor `t`), cut at bucket boundaries.
 void add_pack_runs(Plan& plan, const Unit& u, const at::Tensor& t, int64_t index, std::vector<int32_t>& run_bucket,
                    std::vector<bool>& run_host, std::vector<int64_t>& op_source,
@@ -123,105 +116,126 @@ struct DestsIn {
 // Thrown on the planning thread when the feed is closed unused: the plan is not wanted.
 struct FeedDropped {};
 
-Plan plan_load(const at::Tensor& units_table, std::vector<at::Tensor> sources, DestsIn in,
-               const LoadOptions& options) {
-  TORCH_CHECK_VALUE(
-      options.bucket_bytes >= 4096 && options.bucket_bytes % kAlign == 0,
-      "bucket_bytes must be a multiple of ", kAlign, " and at least 4096, got ", options.bucket_bytes);
-  TORCH_CHECK_VALUE(options.ring_depth >= 1, "ring_depth must be at least 1, got ", options.ring_depth);
-  Plan plan;
-  plan.is_load = true;
-  plan.device = options.device;
-  plan.options.bucket_bytes = options.bucket_bytes;
-  plan.options.ring_depth = options.ring_depth;
-  plan.options.rank = options.rank;
-  plan.options.copy_threads = std::max<int64_t>(1, options.copy_threads);
-  const auto units = read_units(units_table, options.whole_units ? options.bucket_bytes : 0);
-  const auto sizes = bucket_sizes(units, options.bucket_bytes);
-  const int64_t B = options.bucket_bytes;
-  const auto num_buckets = static_cast<int64_t>(sizes.size());
-  for (const auto& u : units) plan.total_bytes += u.nbytes;  // the checkpoint's bytes (the stream has padding too)
-  plan.packed_bytes = plan.total_bytes;
+// A scatter run of one destination in one bucket, and who writes it.
+enum Route { kByKernel = 0, kByCopyEngine = 1, kByHost = 2 };  // the scatter kernel, the copy engine, the host
+struct ScatterPiece {
+  int64_t bucket;
+  ScatterOp op;
+  int64_t dest;  // index into dests
+  Route route;   // kByCopyEngine: pinned host memory; kByHost: pageable
+};
 
+// One load plan in the making: the source's pack pass (beside the scatter pass, on a thread of its own for
+// many tensors), every rank's scatter pass over its destinations, then the buckets' tables.
+class LoadPlanner {
+ public:
+  LoadPlanner(const at::Tensor& units_table, std::vector<at::Tensor> sources, DestsIn in, const LoadOptions& options)
+      : sources_(std::move(sources)), in_(in), options_(options) {
+    TORCH_CHECK_VALUE(options.bucket_bytes >= 4096 && options.bucket_bytes % kAlign == 0,
+                      "bucket_bytes must be a multiple of ", kAlign, " and at least 4096, got ",
+                      options.bucket_bytes);
+    TORCH_CHECK_VALUE(options.ring_depth >= 1, "ring_depth must be at least 1, got ", options.ring_depth);
+    plan_.is_load = true;
+    plan_.device = options.device;
+    plan_.options.bucket_bytes = options.bucket_bytes;
+    plan_.options.ring_depth = options.ring_depth;
+    plan_.options.rank = options.rank;
+    plan_.options.copy_threads = std::max<int64_t>(1, options.copy_threads);
+    units_ = read_units(units_table, options.whole_units ? options.bucket_bytes : 0);
+    sizes_ = bucket_sizes(units_, options.bucket_bytes);
+    for (const auto& u : units_) plan_.total_bytes += u.nbytes;  // the checkpoint's bytes (the stream pads too)
+    plan_.packed_bytes = plan_.total_bytes;
+    for (const auto& u : units_) plan_.units_sent += u.nbytes > 0;
+    TORCH_CHECK_VALUE(sources_.empty() || sources_.size() == units_.size(), "got ", sources_.size(),
+                      " source tensors for ", units_.size(), " checkpoint tensors");
+  }
+
+  Plan make() {
+    // The source's pack runs (its checkpoint tensors) and the scatter runs (its destinations) read
+    // different objects, each pass mostly waiting on memory: on the source they run side by side, the pack
+    // pass on a thread of its own. They write different fields of the plan.
+    JoinOnExit packer;
+    if (static_cast<int64_t>(sources_.size()) >= kPackThreadMin) {
+      packer.thread = std::thread([this] { pack_pass(); });
+    } else {
+      pack_pass();
+    }
+    scatter_pass();
+    if (packer.thread.joinable()) packer.thread.join();  // (a problem of the scatter pass: joined on the way out)
+    if (in_.feed != nullptr && !in_.feed->used()) throw FeedDropped{};
+    if (pack_error_) std::rethrow_exception(pack_error_);
+    dests_ = in_.feed != nullptr ? in_.feed->take(num_dests_) : std::move(*in_.list);
+    // Destinations come in the stream's order of their units, so pieces mostly are in bucket order already.
+    const auto by_bucket = [](const ScatterPiece& a, const ScatterPiece& b) { return a.bucket < b.bucket; };
+    if (!std::is_sorted(pieces_.begin(), pieces_.end(), by_bucket)) {
+      std::stable_sort(pieces_.begin(), pieces_.end(), by_bucket);
+    }
+    lay_out_buckets();
+    if (!sources_.empty() && options_.direct) mark_source_direct();
+    if (sources_.empty() && options_.direct) mark_receiver_direct();
+    const auto num_buckets = static_cast<int64_t>(sizes_.size());
+    plan_.inputs = std::move(sources_);
+    plan_.dests = std::move(dests_);
+    if (options_.kept) plan_.dest_keys = keys_of(plan_.dests);  // one more pass over them, for kept plans only
+    plan_.ring_slots = std::min(options_.ring_depth, num_buckets);
+    plan_.slot_bytes = num_buckets == 0 ? 0 : (num_buckets == 1 ? align_up(sizes_[0], kAlign) : options_.bucket_bytes);
+    validate_load_table(plan_);
+    return std::move(plan_);
+  }
+
+ private:
   // Pack runs (the source), in stream order: sorted by bucket, then offset.
-  TORCH_CHECK_VALUE(sources.empty() || sources.size() == units.size(), "got ", sources.size(),
-                    " source tensors for ", units.size(), " checkpoint tensors");
-  std::vector<int32_t> run_bucket;
-  std::vector<bool> run_host;
-  std::vector<int64_t> op_source;  // per device pack run (plan.ops), the source tensor it reads
-  std::vector<const c10::StorageImpl*> op_storage;  // and that tensor's storage
-  run_bucket.reserve(sources.size());
-  run_host.reserve(sources.size());
-  const auto num_sources = static_cast<int64_t>(sources.size());
-  std::exception_ptr pack_error;
-  const auto pack_pass = [&] {
+  void pack_pass() {
     try {
-      for (int64_t i = 0; i < num_sources; ++i) {
-        if (in.feed != nullptr && i % 1024 == 0 && in.feed->dropped()) return;  // not wanted: stop early
-        prefetch_ahead(sources.data(), i, num_sources);  // each tensor's first touch is a cache miss
-        auto& t = sources[i];
+      const auto n = static_cast<int64_t>(sources_.size());
+      run_bucket_.reserve(n);
+      run_host_.reserve(n);
+      for (int64_t i = 0; i < n; ++i) {
+        if (in_.feed != nullptr && i % 1024 == 0 && in_.feed->dropped()) return;  // not wanted: stop early
+        prefetch_ahead(sources_.data(), i, n);  // each tensor's first touch is a cache miss
+        auto& t = sources_[i];
         // A lazy conjugate or negative bit is not in the bytes: resolve it (a copy of that tensor alone).
         if (t.defined() && (t.is_conj() || t.is_neg())) t = t.resolve_conj().resolve_neg();
-        if (units[i].nbytes > 0) add_pack_runs(plan, units[i], t, i, run_bucket, run_host, op_source, op_storage);
+        if (units_[i].nbytes > 0) add_pack_runs(plan_, units_[i], t, i, run_bucket_, run_host_, op_source_, op_storage_);
       }
     } catch (...) {
-      pack_error = std::current_exception();
+      pack_error_ = std::current_exception();
     }
-  };
-  // The source's pack runs (its checkpoint tensors) and the scatter runs below (its destinations) read
-  // different objects, each pass mostly waiting on memory: on the source they run side by side, the
-  // pack pass on a thread of its own. They write different fields of the plan.
-  JoinOnExit packer;
-  if (num_sources >= kPackThreadMin) {
-    packer.thread = std::thread(pack_pass);
-  } else {
-    pack_pass();
   }
-  for (const auto& u : units) plan.units_sent += u.nbytes > 0;
 
-  // Scatter runs (every rank): per destination, the elements of its box that
-  // each bucket holds. A destination that is whole rows of a contiguous tensor
-  // takes one contiguous run per bucket; any other box, one boxed run per
-  // bucket over the span from its first to its last element.
-  struct Piece {
-    int64_t bucket;
-    ScatterOp op;
-    int64_t dest;  // index into dests
-    int route;     // who writes it: kByKernel, kByCopyEngine (pinned host memory), kByHost (pageable)
-  };
-  enum { kByKernel = 0, kByCopyEngine = 1, kByHost = 2 };
-  const bool host_copies = host_writes_by_copy_engine();
-  std::vector<Piece> pieces;
-  const auto expected = static_cast<size_t>(in.list != nullptr ? in.list->size() : units.size());
-  pieces.reserve(expected + static_cast<size_t>(num_buckets));
-  // The source's direct buckets are not read from a storage that it also writes (below): those
-  // storages, taken in this pass, while each destination is in cache.
-  std::vector<const c10::StorageImpl*> written;
-  if (!sources.empty()) written.reserve(expected);
-  int64_t num_dests = 0;
-  const at::Tensor* tp = nullptr;
-  const int64_t* m = nullptr;
-  for (int64_t i = 0; in.get(i, tp, m); ++i) {
-    num_dests = i + 1;
-    const auto& t = *tp;
-    TORCH_CHECK_VALUE(m[0] >= 0 && m[0] < static_cast<int64_t>(units.size()), "destination ", i, " takes unit ",
-                      m[0], " of ", units.size());
-    const auto& u = units[m[0]];
-    const auto what = [&] { return "destination " + std::to_string(i) + " on rank " + std::to_string(options.rank); };
-    const bool host = plan.device.is_cuda() && t.defined() && t.is_cpu();
-    TORCH_CHECK_VALUE(t.defined() && t.layout() == at::kStrided && t.has_storage() && (t.device() == plan.device || host),
-                      what(), " is not a dense tensor on ", plan.device);
-    plan.writes_host = plan.writes_host || (host && t.numel() > 0 && u.nbytes > 0);
-    TORCH_CHECK_VALUE(t.scalar_type() == u.dtype || (castable(t.scalar_type()) && castable(u.dtype)), what(),
-                      " is ", t.scalar_type(), " but the checkpoint holds ", u.dtype,
-                      ": only real dtypes and bool are cast");
+  // Scatter runs (every rank): per destination, the elements of its box that each bucket holds.
+  void scatter_pass() {
+    const auto expected = static_cast<size_t>(in_.list != nullptr ? in_.list->size() : units_.size());
+    pieces_.reserve(expected + sizes_.size());
+    // The source's direct buckets are not read from a storage that it also writes: those storages, taken in
+    // this pass, while each destination is in cache.
+    if (!sources_.empty()) written_.reserve(expected);
+    const at::Tensor* t = nullptr;
+    const int64_t* m = nullptr;
+    for (int64_t i = 0; in_.get(i, t, m); ++i) {
+      num_dests_ = i + 1;
+      add_scatter_runs(i, *t, m);
+    }
+  }
+
+  // Destination i (`t`, its meta row `m`: the unit it takes, its box's offset), checked.
+  void check_dest(int64_t i, const at::Tensor& t, const Unit& u, bool host) const {
+    const auto what = [&] { return "destination " + std::to_string(i) + " on rank " + std::to_string(options_.rank); };
+    TORCH_CHECK_VALUE(t.defined() && t.layout() == at::kStrided && t.has_storage() &&
+                          (t.device() == plan_.device || host),
+                      what(), " is not a dense tensor on ", plan_.device);
+    TORCH_CHECK_VALUE(t.scalar_type() == u.dtype || (castable(t.scalar_type()) && castable(u.dtype)), what(), " is ",
+                      t.scalar_type(), " but the checkpoint holds ", u.dtype, ": only real dtypes and bool are cast");
     TORCH_CHECK_VALUE(t.dim() == u.ndim, what(), " has ", t.dim(), " dims, the checkpoint's tensor ", u.ndim);
     TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, what(), " overlaps itself");
     TORCH_CHECK_VALUE(!t.is_conj() && !t.is_neg(), what(),
                       " has a lazy conjugate or negative bit; resolve it (resolve_conj/resolve_neg) before loading");
-    if (!sources.empty()) written.push_back(t.storage().unsafeGetStorageImpl());
-    if (t.numel() == 0 || u.nbytes == 0) continue;
-    Box box{};
+  }
+
+  // The box destination `t` holds of unit u (from its meta row); whether it is whole rows of a contiguous
+  // tensor (then one contiguous run per bucket, else one boxed run per bucket over the span from its first
+  // to its last element).
+  bool box_of(int64_t i, const at::Tensor& t, const Unit& u, const int64_t* m, Box& box) const {
     box.ndim = static_cast<int32_t>(u.ndim);
     bool whole_rows = true;
     for (int64_t d = 0; d < u.ndim; ++d) {
@@ -229,11 +243,24 @@ Plan plan_load(const at::Tensor& units_table, std::vector<at::Tensor> sources, D
       box.lo[d] = m[1 + d];
       box.hi[d] = m[1 + d] + t.size(d);
       box.strides[d] = t.stride(d);
-      TORCH_CHECK_VALUE(box.lo[d] >= 0 && box.hi[d] <= u.sizes[d], what(), " holds [", box.lo[d], ", ", box.hi[d],
-                        ") of dim ", d, ", which has ", u.sizes[d]);
+      TORCH_CHECK_VALUE(box.lo[d] >= 0 && box.hi[d] <= u.sizes[d], "destination ", i, " on rank ", options_.rank,
+                        " holds [", box.lo[d], ", ", box.hi[d], ") of dim ", d, ", which has ", u.sizes[d]);
       whole_rows &= d == 0 || (box.lo[d] == 0 && box.hi[d] == u.sizes[d]);
     }
-    const bool flat = whole_rows && t.is_contiguous();
+    return whole_rows && t.is_contiguous();
+  }
+
+  void add_scatter_runs(int64_t i, const at::Tensor& t, const int64_t* m) {
+    TORCH_CHECK_VALUE(m[0] >= 0 && m[0] < static_cast<int64_t>(units_.size()), "destination ", i, " takes unit ",
+                      m[0], " of ", units_.size());
+    const auto& u = units_[m[0]];
+    const bool host = plan_.device.is_cuda() && t.defined() && t.is_cpu();
+    check_dest(i, t, u, host);
+    plan_.writes_host = plan_.writes_host || (host && t.numel() > 0 && u.nbytes > 0);
+    if (!sources_.empty()) written_.push_back(t.storage().unsafeGetStorageImpl());
+    if (t.numel() == 0 || u.nbytes == 0) return;
+    Box box{};
+    const bool flat = box_of(i, t, u, m, box);
     int64_t lo_idx[kMaxDims], last_idx[kMaxDims];
     for (int64_t d = 0; d < u.ndim; ++d) {
       lo_idx[d] = box.lo[d];
@@ -242,11 +269,12 @@ Plan plan_load(const at::Tensor& units_table, std::vector<at::Tensor> sources, D
     const int64_t e0 = ravel(lo_idx, u), e1 = ravel(last_idx, u) + 1;
     int32_t box_index = u.ndim == 0 ? kScalar : kWhole;
     if (!flat) {
-      plan.boxes.push_back(box);
-      box_index = static_cast<int32_t>(plan.boxes.size() - 1);
+      plan_.boxes.push_back(box);
+      box_index = static_cast<int32_t>(plan_.boxes.size() - 1);
     }
     const auto ptr = reinterpret_cast<uint64_t>(t.data_ptr());
-    const bool pageable = host && t.numel() > 0 && !pinned_host(t);
+    const bool pageable = host && !pinned_host(t);
+    const int64_t B = options_.bucket_bytes;
     for (int64_t e = e0; e < e1;) {
       const int64_t pos = u.offset + e * u.elem_size;
       const int64_t k = pos / B;
@@ -261,113 +289,130 @@ Plan plan_load(const at::Tensor& units_table, std::vector<at::Tensor> sources, D
       op.dst_type = static_cast<int8_t>(t.scalar_type());
       op.src_size = static_cast<int8_t>(u.elem_size);
       op.dst_size = static_cast<int8_t>(t.element_size());
-      // Large byte runs into host memory go by the copy engine: the kernel's stores cross the bus as
-      // the source's reads come up it, and the two did not overlap (one H200: a 9.66 GB MoE load
-      // into offloaded shards from pinned memory took the sum of the two directions' times).
-      const bool copy = host && !pageable && host_copies && flat && op.src_type == op.dst_type &&
+      // Large byte runs into host memory go by the copy engine: the kernel's stores would cross the bus
+      // as the source's reads come up it, and the two do not overlap; the copy engine's do.
+      const bool copy = host && !pageable && flat && op.src_type == op.dst_type &&
                         op.count * op.src_size >= kHostCopyMin;
-      pieces.push_back(Piece{k, op, static_cast<int64_t>(i), pageable ? kByHost : copy ? kByCopyEngine : kByKernel});
+      pieces_.push_back(ScatterPiece{k, op, i, pageable ? kByHost : copy ? kByCopyEngine : kByKernel});
       e = end;
     }
   }
-  if (packer.thread.joinable()) packer.thread.join();  // (a problem of the scatter pass: joined on the way out)
-  if (in.feed != nullptr && !in.feed->used()) throw FeedDropped{};
-  if (pack_error) std::rethrow_exception(pack_error);
-  std::vector<at::Tensor> dests = in.feed != nullptr ? in.feed->take(num_dests) : std::move(*in.list);
-  // Destinations come in the stream's order of their units, so pieces mostly are in bucket order already.
-  const auto by_bucket = [](const Piece& a, const Piece& b) { return a.bucket < b.bucket; };
-  if (!std::is_sorted(pieces.begin(), pieces.end(), by_bucket)) std::stable_sort(pieces.begin(), pieces.end(), by_bucket);
 
-  plan.buckets.resize(num_buckets);
-  for (int64_t k = 0; k < num_buckets; ++k) plan.buckets[k].nbytes = sizes[k];
-  auto fill = [&](const std::vector<int32_t>& owner, bool host, int64_t Bucket::*first, int64_t Bucket::*count) {
-    int64_t index = 0;
-    for (size_t r = 0; r < owner.size(); ++r) {
-      if (run_host[r] != host) continue;
-      auto& b = plan.buckets[owner[r]];
-      if (b.*count == 0) b.*first = index;
-      ++(b.*count);
-      ++index;
-    }
-  };
-  fill(run_bucket, false, &Bucket::first_op, &Bucket::num_ops);
-  fill(run_bucket, true, &Bucket::first_host, &Bucket::num_host);
-  plan.scatter.reserve(pieces.size());
-  for (size_t p = 0; p < pieces.size();) {  // per bucket: the kernel's runs, the copy engine's, the host's
-    size_t q = p;
-    while (q < pieces.size() && pieces[q].bucket == pieces[p].bucket) ++q;
-    auto& b = plan.buckets[pieces[p].bucket];
-    b.first_scatter = static_cast<int64_t>(plan.scatter.size());
-    for (const int route : {kByKernel, kByCopyEngine, kByHost}) {
-      for (size_t i = p; i < q; ++i) {
-        if (pieces[i].route != route) continue;
-        auto op = pieces[i].op;
-        op.first_chunk = b.scatter_chunks;
-        if (route == kByCopyEngine) {
-          ++b.num_scatter_copies;
-        } else if (route == kByHost) {
-          ++b.num_scatter_host;
-        } else {
-          b.scatter_chunks += (op.count * op.src_size + kScatterChunk - 1) / kScatterChunk;
-        }
-        ++b.num_scatter;
-        plan.scatter.push_back(op);
+  // Each bucket's ranges of pack runs (device and host) and of scatter runs: the kernel's, the copy
+  // engine's, then the host's.
+  void lay_out_buckets() {
+    const auto num_buckets = static_cast<int64_t>(sizes_.size());
+    plan_.buckets.resize(num_buckets);
+    for (int64_t k = 0; k < num_buckets; ++k) plan_.buckets[k].nbytes = sizes_[k];
+    const auto fill = [&](bool host, int64_t Bucket::*first, int64_t Bucket::*count) {
+      int64_t index = 0;
+      for (size_t r = 0; r < run_bucket_.size(); ++r) {
+        if (run_host_[r] != host) continue;
+        auto& b = plan_.buckets[run_bucket_[r]];
+        if (b.*count == 0) b.*first = index;
+        ++(b.*count);
+        ++index;
       }
+    };
+    fill(false, &Bucket::first_op, &Bucket::num_ops);
+    fill(true, &Bucket::first_host, &Bucket::num_host);
+    plan_.scatter.reserve(pieces_.size());
+    for (size_t p = 0; p < pieces_.size();) {
+      size_t q = p;
+      while (q < pieces_.size() && pieces_[q].bucket == pieces_[p].bucket) ++q;
+      auto& b = plan_.buckets[pieces_[p].bucket];
+      b.first_scatter = static_cast<int64_t>(plan_.scatter.size());
+      for (const Route route : {kByKernel, kByCopyEngine, kByHost}) {
+        for (size_t i = p; i < q; ++i) {
+          if (pieces_[i].route != route) continue;
+          auto op = pieces_[i].op;
+          op.first_chunk = b.scatter_chunks;
+          if (route == kByCopyEngine) {
+            ++b.num_scatter_copies;
+          } else if (route == kByHost) {
+            ++b.num_scatter_host;
+          } else {
+            b.scatter_chunks += (op.count * op.src_size + kScatterChunk - 1) / kScatterChunk;
+          }
+          ++b.num_scatter;
+          plan_.scatter.push_back(op);
+        }
+      }
+      p = q;
     }
-    p = q;
   }
-  // Direct buckets (direct.cpp). The source's: bytes that lie back to back in one device storage of
-  // its checkpoint tensors are broadcast from there (its own shards are then written from there too).
-  if (!sources.empty() && direct_buckets_enabled()) {
-    plan.direct_from_inputs = true;
-    // Not from a storage that this rank also writes (a model's own tensors given as the checkpoint):
-    // the scatter would read bytes that it, or a cast wider than the source, writes over.
-    std::sort(written.begin(), written.end());
+
+  // The source's direct buckets (direct.cpp): bytes that lie back to back in one device storage of its
+  // checkpoint tensors are broadcast from there (its own shards are then written from there too).
+  void mark_source_direct() {
+    plan_.direct_from_inputs = true;
+    // Not from a storage that this rank also writes (a model's own tensors given as the checkpoint): the
+    // scatter would read bytes that it, or a cast wider than the source, writes over.
+    std::sort(written_.begin(), written_.end());
     std::vector<SpanRun> runs;
-    for (int64_t k = 0; k < num_buckets; ++k) {
-      const auto& b = plan.buckets[k];
+    for (int64_t k = 0; k < static_cast<int64_t>(plan_.buckets.size()); ++k) {
+      const auto& b = plan_.buckets[k];
       if (b.num_host > 0 || b.num_ops == 0) continue;
       runs.clear();
       for (int64_t r = b.first_op; r < b.first_op + b.num_ops; ++r) {
-        const auto& op = plan.ops[r];
+        const auto& op = plan_.ops[r];
         runs.push_back(SpanRun{op.bucket_offset, op.tensor_ptr + static_cast<uint64_t>(op.tensor_offset), op.nbytes,
-                               op_storage[r], op_source[r], op.layout < 0});
+                               op_storage_[r], op_source_[r], op.layout < 0});
       }
-      mark_direct(plan, k, runs, written);
+      mark_direct(plan_, k, runs, written_);
     }
   }
-  // A receiver's: bytes that lie back to back in its destinations are broadcast straight into them.
-  if (sources.empty() && direct_buckets_enabled()) {
+
+  // A receiver's direct buckets: bytes that lie back to back in its destinations are broadcast straight
+  // into them.
+  void mark_receiver_direct() {
     std::vector<SpanRun> runs;
-    for (size_t p = 0; p < pieces.size();) {
-      const int64_t k = pieces[p].bucket;
+    for (size_t p = 0; p < pieces_.size();) {
+      const int64_t k = pieces_[p].bucket;
       runs.clear();
-      for (; p < pieces.size() && pieces[p].bucket == k; ++p) {
-        const auto& op = pieces[p].op;
-        const auto& t = dests[pieces[p].dest];
+      for (; p < pieces_.size() && pieces_[p].bucket == k; ++p) {
+        const auto& op = pieces_[p].op;
+        const auto& t = dests_[pieces_[p].dest];
         const auto* storage = t.storage().unsafeGetStorageImpl();
         // Not into host memory: NCCL receives into device memory only.
         runs.push_back(SpanRun{op.bucket_offset, op.dst_ptr + static_cast<uint64_t>(op.first * op.dst_size),
-                               op.count * op.src_size, storage, pieces[p].dest,
-                               op.box < 0 && op.src_type == op.dst_type && t.device() == plan.device});
+                               op.count * op.src_size, storage, pieces_[p].dest,
+                               op.box < 0 && op.src_type == op.dst_type && t.device() == plan_.device});
       }
-      mark_direct(plan, k, runs);
+      mark_direct(plan_, k, runs);
     }
   }
-  plan.inputs = std::move(sources);
-  plan.dests = std::move(dests);
-  if (options.kept) plan.dest_keys = keys_of(plan.dests);  // one more pass over them, for kept plans only
-  plan.ring_slots = std::min(options.ring_depth, num_buckets);
-  plan.slot_bytes = num_buckets == 0 ? 0 : (num_buckets == 1 ? align_up(sizes[0], kAlign) : B);
-  validate_load_table(plan);
-  return plan;
+
+  Plan plan_;
+  std::vector<Unit> units_;
+  std::vector<int64_t> sizes_;  // per bucket
+  std::vector<at::Tensor> sources_;
+  DestsIn in_;
+  const LoadOptions& options_;
+  // The pack pass's: per run its bucket and whether it reads host memory; per device pack run (plan.ops) the
+  // source tensor it reads and that tensor's storage; a problem it met (raised after the join).
+  std::vector<int32_t> run_bucket_;
+  std::vector<bool> run_host_;
+  std::vector<int64_t> op_source_;
+  std::vector<const c10::StorageImpl*> op_storage_;
+  std::exception_ptr pack_error_;
+  // The scatter pass's: its runs, the storages it writes (the source's), and the destinations' count.
+  std::vector<ScatterPiece> pieces_;
+  std::vector<const c10::StorageImpl*> written_;
+  int64_t num_dests_ = 0;
+  std::vector<at::Tensor> dests_;
+};
+
+Plan plan_load(const at::Tensor& units_table, std::vector<at::Tensor> sources, DestsIn in,
+               const LoadOptions& options) {
+  return LoadPlanner(units_table, std::move(sources), in, options).make();
 }
 
 }  // namespace
 
 bool DestFeed::wait(int64_t i) {
-  // Polled: load_dests puts a destination every ~0.5 us, and a wake-up per put would cost it more than
-  // the pass saves. Each poll that finds more takes all there are but the last kLag: their slots share
+  // Polled: load_dests puts destinations far faster than a thread wakes, and a wake-up per put would
+  // cost it more than the pass saves. Each poll that finds more takes all there are but the last kLag: their slots share
   // cache lines with the ones the writer fills next, which reading would pull away from it at every put.
   constexpr int64_t kLag = 64;
   while (true) {
@@ -411,7 +456,7 @@ std::optional<Plan> make_fed_load_plan(
     return std::nullopt;
   } catch (...) {
     // A problem of the plan's own, found before load_dests finished: it stands only where the feed is
-    // used (else load_dests's own, worded with the key, or the plan made as before decide).
+    // used (else load_dests's own, worded with the key, or the plan made without the feed decide).
     while (!feed.closed()) std::this_thread::sleep_for(std::chrono::microseconds(50));
     if (!feed.used()) return std::nullopt;
     throw;
@@ -448,6 +493,75 @@ void check_source_devices(
   if (added) std::sort(problems.begin(), problems.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
 }
 
+namespace {
+
+// Tensors that are the same memory seen the same way (a tie: one object under two keys, or two equal views)
+// are sent once: keyed by address, dtype, sizes and strides, found by one sort.
+struct TieKey {
+  uintptr_t addr;
+  uint64_t shape;
+  int64_t index;
+  bool operator<(const TieKey& o) const {
+    return std::tie(addr, shape, index) < std::tie(o.addr, o.shape, o.index);
+  }
+};
+
+// What one chunk of describe_tensors' pass finds, joined in order after it.
+struct Found {
+  std::vector<TieKey> keys;
+  std::vector<std::pair<int64_t, std::string>> problems;
+  std::vector<int64_t> on_device;  // without a device to check against: the tensors not on the CPU
+};
+
+// Tensor i's table row (dtype, ndim, sizes) and tie key into `f`; or, where it cannot be sent, why (its row
+// is then zeroed).
+void describe_one(const at::Tensor& t, int64_t i, const std::optional<c10::Device>& device, int64_t* row,
+                  Found& f) {
+  std::string problem;
+  try {
+    if (!t.defined() || t.layout() != at::kStrided || t.is_nested()) {
+      problem = "not a dense tensor; only dense tensors can be loaded";
+    } else if (t.is_meta()) {
+      problem = "a meta tensor (it has no data)";
+    } else if (device && !t.device().is_cpu() && t.device() != *device) {
+      problem = device_problem(t.device(), *device);
+    } else if (t.dim() > kMaxDims) {
+      problem = "a tensor of " + std::to_string(t.dim()) + " dims; at most " + std::to_string(kMaxDims) +
+          " are supported";
+    } else {
+      row[0] = static_cast<int64_t>(t.scalar_type());
+      row[1] = t.dim();
+      for (int64_t d = 0; d < t.dim(); ++d) row[2 + d] = t.size(d);
+      const uint64_t h = hash_mix(hash_mix(layout_hash(*t.unsafeGetTensorImpl()), t.is_conj() | (t.is_neg() << 1)),
+                                  static_cast<uint64_t>(t.device().type()));
+      if (t.numel() > 0) f.keys.push_back(TieKey{reinterpret_cast<uintptr_t>(t.data_ptr()), h, i});
+      if (!device && !t.device().is_cpu()) f.on_device.push_back(i);
+    }
+  } catch (const std::exception& e) {  // a tensor whose data cannot be read (no storage): named, not thrown
+    problem = std::string("a tensor whose data cannot be read: ") + e.what();
+  }
+  if (!problem.empty()) {
+    std::fill(row, row + 2 + kMaxDims, int64_t{0});
+    f.problems.emplace_back(i, std::move(problem));
+  }
+}
+
+// Each tie's canonical row: the first of the tensors it names. In the usual case (no two tensors at one
+// address) the sort is the only pass over all keys.
+void find_ties(const std::vector<at::Tensor>& tensors, std::vector<TieKey>& keys, int64_t* canon) {
+  std::sort(keys.begin(), keys.end());
+  for (size_t k = 1; k < keys.size(); ++k) {
+    if (keys[k].addr != keys[k - 1].addr || keys[k].shape != keys[k - 1].shape) continue;
+    const auto& a = tensors[keys[k - 1].index];
+    const auto& b = tensors[keys[k].index];
+    if (a.sizes() == b.sizes() && a.strides() == b.strides() && a.scalar_type() == b.scalar_type()) {
+      canon[keys[k].index] = canon[keys[k - 1].index];
+    }
+  }
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>> describe_tensors(
     const std::vector<at::Tensor>& tensors,
     std::optional<c10::Device> device,
@@ -457,24 +571,9 @@ std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>>
   auto canon = at::empty({n}, at::kLong);
   auto* const rows = table.data_ptr<int64_t>();
   auto* const c = canon.data_ptr<int64_t>();
-  // Tensors that are the same memory seen the same way (a tie: one object under two keys, or two
-  // equal views) are sent once: keyed by address, dtype, sizes and strides, found by one sort.
-  struct Key {
-    uintptr_t addr;
-    uint64_t shape;
-    int64_t index;
-    bool operator<(const Key& o) const {
-      return std::tie(addr, shape, index) < std::tie(o.addr, o.shape, o.index);
-    }
-  };
   // In chunks over torch's inter-op threads: each tensor's first touch is a cache miss (a checkpoint's
-  // tensors were made long before); at 16k tensors one thread's pass took 5-9 ms of the source's time
-  // before its metadata went out (one H100 host). Each chunk keeps its keys and problems, joined in order.
-  struct Found {
-    std::vector<Key> keys;
-    std::vector<std::pair<int64_t, std::string>> problems;
-    std::vector<int64_t> on_device;  // without a device to check against: the tensors not on the CPU
-  };
+  // tensors were made long before), and one thread's pass over many tensors delays the source's
+  // metadata. Each chunk keeps its keys and problems, joined in order.
   std::mutex mu;
   std::map<int64_t, Found> found;  // by the chunk's first index
   for_chunks(n, [&](int64_t begin, int64_t end) {
@@ -483,59 +582,21 @@ std::tuple<at::Tensor, at::Tensor, std::vector<std::pair<int64_t, std::string>>>
       std::lock_guard<std::mutex> lock(mu);
       slot = &found[begin];
     }
-    auto& f = *slot;
-    f.keys.reserve(end - begin);
+    slot->keys.reserve(end - begin);
     for (int64_t i = begin; i < end; ++i) {
       prefetch_ahead(tensors.data(), i, end);
-      const auto& t = tensors[i];
-      int64_t* row = rows + i * (2 + kMaxDims);
       c[i] = i;
-      std::string problem;
-      try {
-        if (!t.defined() || t.layout() != at::kStrided || t.is_nested()) {
-          problem = "not a dense tensor; only dense tensors can be loaded";
-        } else if (t.is_meta()) {
-          problem = "a meta tensor (it has no data)";
-        } else if (device && !t.device().is_cpu() && t.device() != *device) {
-          problem = device_problem(t.device(), *device);
-        } else if (t.dim() > kMaxDims) {
-          problem = "a tensor of " + std::to_string(t.dim()) + " dims; at most " + std::to_string(kMaxDims) +
-              " are supported";
-        } else {
-          row[0] = static_cast<int64_t>(t.scalar_type());
-          row[1] = t.dim();
-          for (int64_t d = 0; d < t.dim(); ++d) row[2 + d] = t.size(d);
-          const uint64_t h = hash_mix(hash_mix(layout_hash(*t.unsafeGetTensorImpl()), t.is_conj() | (t.is_neg() << 1)),
-                                      static_cast<uint64_t>(t.device().type()));
-          if (t.numel() > 0) f.keys.push_back(Key{reinterpret_cast<uintptr_t>(t.data_ptr()), h, i});
-          if (!device && !t.device().is_cpu()) f.on_device.push_back(i);
-        }
-      } catch (const std::exception& e) {  // a tensor whose data cannot be read (no storage): named, not thrown
-        problem = std::string("a tensor whose data cannot be read: ") + e.what();
-      }
-      if (!problem.empty()) {
-        std::fill(row, row + 2 + kMaxDims, int64_t{0});
-        f.problems.emplace_back(i, std::move(problem));
-      }
+      describe_one(tensors[i], i, device, rows + i * (2 + kMaxDims), *slot);
     }
   });
-  std::vector<Key> keys;
+  std::vector<TieKey> keys;
   std::vector<std::pair<int64_t, std::string>> problems;
   for (auto& [begin, f] : found) {
     keys.insert(keys.end(), f.keys.begin(), f.keys.end());
     for (auto& p : f.problems) problems.push_back(std::move(p));
     if (on_device != nullptr) on_device->insert(on_device->end(), f.on_device.begin(), f.on_device.end());
   }
-  // In the usual case (no two tensors at one address) the sort is the only pass over all keys.
-  std::sort(keys.begin(), keys.end());
-  for (size_t k = 1; k < keys.size(); ++k) {
-    if (keys[k].addr != keys[k - 1].addr || keys[k].shape != keys[k - 1].shape) continue;
-    const auto& a = tensors[keys[k - 1].index];
-    const auto& b = tensors[keys[k].index];
-    if (a.sizes() == b.sizes() && a.strides() == b.strides() && a.scalar_type() == b.scalar_type()) {
-      c[keys[k].index] = c[keys[k - 1].index];
-    }
-  }
+  find_ties(tensors, keys, c);
   return {table, canon, problems};
 }
 

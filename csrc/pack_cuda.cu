@@ -9,8 +9,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
-#include <string>
 
 #include "copy_table.h"
 #include "pack_cuda.h"
@@ -67,81 +65,70 @@ __global__ void __launch_bounds__(kThreads) copy_bucket_kernel(
     const Layout* __restrict__ layouts,
     int64_t skip_min) {
   __shared__ int64_t first;
-  const int64_t windows = (nbytes + kChunk - 1) / kChunk;
-  // One window per block, unless the grid was capped (copy_blocks_cap): then blocks stride over them.
-  for (int64_t w = blockIdx.x; w < windows; w += gridDim.x) {
-    const int64_t begin = w * kChunk;
-    const int64_t end = min(begin + kChunk, nbytes);
-    __syncthreads();  // every thread is done with the last window's `first`
-    if (threadIdx.x < 32) {
-      const int64_t f = warp_partition_point(
-          num_ops, [&](int64_t k) { return ops[k].bucket_offset + ops[k].nbytes <= begin; });
-      if (threadIdx.x == 0) first = f;
+  const int64_t begin = blockIdx.x * kChunk;  // one window per block
+  const int64_t end = min(begin + kChunk, nbytes);
+  if (threadIdx.x < 32) {
+    const int64_t f = warp_partition_point(
+        num_ops, [&](int64_t k) { return ops[k].bucket_offset + ops[k].nbytes <= begin; });
+    if (threadIdx.x == 0) first = f;
+  }
+  __syncthreads();
+  int64_t i = first;
+  if (i >= num_ops) return;
+  CopyOp op = ops[i];
+  // A thread's units are found first (walking the sorted runs forward), then the
+  // aligned whole words among them are all loaded before any is stored, so each
+  // thread has kUnitsPerThread reads in flight; the other units (strided, narrow,
+  // a run's short tail) are copied after, one at a time, in a loop of their own
+  // that keeps the element-wise code out of the unrolled one.
+  uint8_t* words[kUnitsPerThread];  // the tensor's side of each aligned word; nullptr: none
+  unsigned others = 0;
+#pragma unroll
+  for (int k = 0; k < kUnitsPerThread; ++k) {
+    words[k] = nullptr;
+    const int64_t pos = begin + (threadIdx.x + k * kThreads) * kAlign;
+    if (pos >= end || i >= num_ops) continue;
+    while (op.bucket_offset + op.nbytes <= pos) {
+      if (++i >= num_ops) break;
+      op = ops[i];
     }
-    __syncthreads();
-    int64_t i = first;
     if (i >= num_ops) continue;
-    CopyOp op = ops[i];
-    // A thread's units are found first (walking the sorted runs forward), then the
-    // aligned whole words among them are all loaded before any is stored, so each
-    // thread has kUnitsPerThread reads in flight; the other units (strided, narrow,
-    // a run's short tail) are copied after, one at a time, in a loop of their own
-    // that keeps the element-wise code out of the unrolled one.
-    uint8_t* words[kUnitsPerThread];  // the tensor's side of each aligned word; nullptr: none
-    unsigned others = 0;
-#pragma unroll
-    for (int k = 0; k < kUnitsPerThread; ++k) {
-      words[k] = nullptr;
-      const int64_t pos = begin + (threadIdx.x + k * kThreads) * kAlign;
-      if (pos >= end || i >= num_ops) continue;
-      while (op.bucket_offset + op.nbytes <= pos) {
-        if (++i >= num_ops) break;
-        op = ops[i];
-      }
-      if (i >= num_ops) continue;
-      if (pos < op.bucket_offset) continue;  // alignment padding between runs
-      if (op.layout < 0 && op.nbytes >= skip_min) continue;  // copied another way (launch_copy_bucket)
-      const int64_t in_op = pos - op.bucket_offset;
-      const int n = static_cast<int>(min(kAlign, op.nbytes - in_op));
-      uint8_t* t = reinterpret_cast<uint8_t*>(op.tensor_ptr) + op.tensor_offset + in_op;
-      if (op.layout < 0 && n == kAlign && (reinterpret_cast<uintptr_t>(t) & 15) == 0) {
-        words[k] = t;
-      } else {
-        others |= 1u << k;
-      }
+    if (pos < op.bucket_offset) continue;  // alignment padding between runs
+    if (op.layout < 0 && op.nbytes >= skip_min) continue;  // copied another way (launch_copy_bucket)
+    const int64_t in_op = pos - op.bucket_offset;
+    const int n = static_cast<int>(min(kAlign, op.nbytes - in_op));
+    uint8_t* t = reinterpret_cast<uint8_t*>(op.tensor_ptr) + op.tensor_offset + in_op;
+    if (op.layout < 0 && n == kAlign && (reinterpret_cast<uintptr_t>(t) & 15) == 0) {
+      words[k] = t;
+    } else {
+      others |= 1u << k;
     }
-    uint4 v[kUnitsPerThread];
+  }
+  uint4 v[kUnitsPerThread];
 #pragma unroll
-    for (int k = 0; k < kUnitsPerThread; ++k) {
-      const uint8_t* from = kPack ? words[k] : bucket + begin + (threadIdx.x + k * kThreads) * kAlign;
-      v[k] = words[k] != nullptr ? *reinterpret_cast<const uint4*>(from) : uint4{};
-    }
+  for (int k = 0; k < kUnitsPerThread; ++k) {
+    const uint8_t* from = kPack ? words[k] : bucket + begin + (threadIdx.x + k * kThreads) * kAlign;
+    v[k] = words[k] != nullptr ? *reinterpret_cast<const uint4*>(from) : uint4{};
+  }
 #pragma unroll
-    for (int k = 0; k < kUnitsPerThread; ++k) {
-      uint8_t* to = kPack ? bucket + begin + (threadIdx.x + k * kThreads) * kAlign : words[k];
-      if (words[k] != nullptr) *reinterpret_cast<uint4*>(to) = v[k];
-    }
-    if (others == 0) continue;
-    i = first;
-    op = ops[i];
+  for (int k = 0; k < kUnitsPerThread; ++k) {
+    uint8_t* to = kPack ? bucket + begin + (threadIdx.x + k * kThreads) * kAlign : words[k];
+    if (words[k] != nullptr) *reinterpret_cast<uint4*>(to) = v[k];
+  }
+  if (others == 0) return;
+  i = first;
+  op = ops[i];
 #pragma unroll 1
-    for (int k = 0; k < kUnitsPerThread; ++k) {
-      if ((others >> k & 1u) == 0) continue;
-      const int64_t pos = begin + (threadIdx.x + k * kThreads) * kAlign;
-      while (op.bucket_offset + op.nbytes <= pos) op = ops[++i];
-      const int64_t in_op = pos - op.bucket_offset;
-      copy_unit<kPack>(bucket + pos, op, in_op, static_cast<int>(min(kAlign, op.nbytes - in_op)), layouts);
-    }
+  for (int k = 0; k < kUnitsPerThread; ++k) {
+    if ((others >> k & 1u) == 0) continue;
+    const int64_t pos = begin + (threadIdx.x + k * kThreads) * kAlign;
+    while (op.bucket_offset + op.nbytes <= pos) op = ops[++i];
+    const int64_t in_op = pos - op.bucket_offset;
+    copy_unit<kPack>(bucket + pos, op, in_op, static_cast<int>(min(kAlign, op.nbytes - in_op)), layouts);
   }
 }
 
 }  // namespace
-
-int64_t copy_blocks_cap() {
-  const char* v = std::getenv("COALESCED_BCAST_COPY_BLOCKS");  // per launch: the bench switches it between calls
-  const int64_t n = v == nullptr ? 0 : std::atoll(v);
-  return n > 0 ? n : static_cast<int64_t>(INT_MAX);
-}
 
 void launch_copy_bucket(
     uint8_t* bucket,
@@ -154,12 +141,11 @@ void launch_copy_bucket(
     int64_t skip_min) {
   const int64_t windows = (nbytes + kChunk - 1) / kChunk;
   TORCH_CHECK(windows > 0 && windows <= INT_MAX, "bucket of ", nbytes, " bytes needs ", windows, " blocks");
-  const int64_t blocks = std::min(windows, copy_blocks_cap());
   if (pack) {
-    copy_bucket_kernel<true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+    copy_bucket_kernel<true><<<static_cast<unsigned>(windows), kThreads, 0, stream>>>(
         bucket, nbytes, ops, num_ops, layouts, skip_min);
   } else {
-    copy_bucket_kernel<false><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+    copy_bucket_kernel<false><<<static_cast<unsigned>(windows), kThreads, 0, stream>>>(
         bucket, nbytes, ops, num_ops, layouts, skip_min);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -8,11 +8,6 @@
 
 namespace coalesced_bcast {
 
-// Most blocks a copy kernel launches (COALESCED_BCAST_COPY_BLOCKS, read at each
-// launch; unset: one block per window or chunk). Capped, the copies leave SMs free
-// for the NCCL kernel that runs beside them (an A/B switch of the bench).
-int64_t copy_blocks_cap();
-
 // One launch copying a whole bucket between the ring slot and the tensors that
 // the bucket's runs (the table device-resident, sorted by bucket offset) point
 // at: device memory, or page-locked host memory that the kernel reads over the

@@ -119,7 +119,7 @@ c10d::BroadcastOptions broadcast_options(int64_t src, std::chrono::milliseconds 
   opts.rootRank = src;
   opts.rootTensor = 0;
   opts.timeout = timeout;
-  opts.asyncOp = false;  // why: broadcast_plan
+  opts.asyncOp = false;  // Note [Broadcast stream semantics]
   return opts;
 }
 
@@ -212,7 +212,7 @@ int64_t PreparedRun::speculate(
       std::vector<at::Tensor> v{slot_of(*plan, arena, k)};
       auto work = pg->broadcast(v, opts);
       if (device.is_cuda()) {
-        if (work) work->wait();  // a stream wait (see broadcast_plan)
+        if (work) work->wait();  // a stream wait (Note [Broadcast stream semantics])
       } else {  // gloo's: waited for by broadcast_plan before the unpack, or by the destructor
         works.push_back(work);
         work_timeout = timeout;
@@ -243,6 +243,251 @@ PreparedRun::~PreparedRun() {
   wait_early_reads();
 }
 
+// Note [Broadcast stream semantics]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Sync ops (torch >= 2.8) run on the current stream (the caller's, or the comm lane's under its guard) and
+// stash nothing. Older torch ignores asyncOp: ProcessGroupNCCL runs the broadcast on its own stream after
+// waiting for the current one, recordStream()s the tensor there, and returns a Work whose wait() makes the
+// current stream wait for it (host not blocked). Why that still bounds memory and keeps the order:
+//  - Order: each broadcast's wait() puts its end on the comm lane before exec->signal(kComm, s) records slot
+//    s's event there, so the receiver's unpack of bucket k, and the source's pack of bucket k + ring_slots
+//    into the same slot (exec->wait on that event), both come after NCCL has finished with the slot. No slot
+//    is written while NCCL reads or writes it.
+//  - Memory: the ring is one allocation per call (make_arena), reused slot by slot; recordStream only marks
+//    that block as used on NCCL's stream, so its free at return is deferred until NCCL's stream passes its
+//    last broadcast. Nothing is allocated per bucket, so nothing piles up per bucket as torch's own
+//    _broadcast_coalesced does on torch <= 2.7 (a fresh recordStream'd flat copy per bucket). At most one
+//    deferred arena per call is not yet passed by the GPU, and the caching allocator reclaims those (waits
+//    for their events) before it reports out of memory.
+//  - In-place tensors are the caller's own; recordStream on them only keeps their memory from being reused
+//    before the broadcast into it is done.
+// On CPU (gloo) every version returns a Work that runs on gloo's threads; before torch 2.8 gloo ignores
+// opts.timeout, so the host waits for it against the call's deadline itself (BroadcastRun::wait_work).
+
+namespace {
+
+// One broadcast_plan call: its in-place groups, then its buckets through the ring, each step a method.
+class BroadcastRun {
+ public:
+  BroadcastRun(const Plan& plan, const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t src,
+               std::chrono::milliseconds timeout, const BucketHook& hook, std::chrono::steady_clock::time_point t0)
+      : t0_(t0),
+        plan_(plan),
+        pg_(pg),
+        timeout_(timeout),
+        hook_(hook),
+        is_src_(pg->getRank() == src),
+        cuda_(plan.device.is_cuda()),
+        opts_(broadcast_options(src, timeout)),  // Note [Broadcast stream semantics]
+        deadline_(std::chrono::steady_clock::now() + timeout),
+        throttle_(plan.device, timeout, pg->getRank()) {}
+
+  bool is_src() const {
+    return is_src_;
+  }
+
+  // The in-place groups, on the current stream: the caller's, or the comm lane's under its guard.
+  void send_inplace();
+  // The executor: a prepared run's (with its ring, packs and speculated broadcasts), or a new one.
+  void take_executor(PreparedRun* prepared);
+  // The buckets through the ring (or direct), reporting progress on the source; raises past the deadline.
+  void send_buckets(const Progress& progress, RunStats& stats);
+  // Ends the lanes: the caller's stream ordered after them, the host reads waited for or left in `stats`.
+  void end(bool leave_host_reads, RunStats& stats);
+
+ private:
+  void wait_work(const c10::intrusive_ptr<c10d::Work>& work, const char* what, size_t index, size_t count);
+  void bucket(int64_t k);
+  void unwind();
+
+  const std::chrono::steady_clock::time_point t0_;  // the call's start
+  const Plan& plan_;
+  const c10::intrusive_ptr<c10d::ProcessGroup>& pg_;
+  const std::chrono::milliseconds timeout_;
+  const BucketHook& hook_;
+  const bool is_src_;
+  const bool cuda_;
+  const c10d::BroadcastOptions opts_;
+  const std::chrono::steady_clock::time_point deadline_;
+  Throttle throttle_;
+  std::unique_ptr<Executor> exec_;
+  at::Tensor arena_;
+  at::Tensor table_;
+  std::shared_ptr<HostReads> early_reads_;
+  int64_t early_host_bytes_ = 0;
+  int64_t early_batched_bytes_ = 0;
+  int64_t prepacked_ = 0;  // the source's buckets packed before the agreement
+  int64_t present_ = 0;    // buckets broadcast before it (speculate)
+  std::vector<c10::intrusive_ptr<c10d::Work>> early_works_;
+};
+
+// CUDA: a stream wait, not a host wait (the throttle keeps the deadline). CPU with a timeout: a host wait
+// until the deadline (Note [Broadcast stream semantics]).
+void BroadcastRun::wait_work(const c10::intrusive_ptr<c10d::Work>& work, const char* what, size_t index,
+                             size_t count) {
+  if (!work) return;
+  if (cuda_ || timeout_.count() <= 0) {
+    work->wait();
+    return;
+  }
+  // Rounded up: the wait ends at the deadline, not up to a millisecond before it.
+  auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline_ - std::chrono::steady_clock::now());
+  try {
+    work->wait(std::max(left, std::chrono::milliseconds(1)));
+  } catch (const std::exception& e) {
+    // A Work that finished with an error is a peer's failure: as it is. One still running ran out of time.
+    if (work->isCompleted()) throw;
+    TORCH_CHECK(false, "Timed out: ", what, " ", index, " of ", count, " did not finish on rank ", pg_->getRank(),
+                " within the timeout of ", timeout_.count(),
+                " ms (a rank stalled, died or called another collective): ", e.what());
+  }
+}
+
+void BroadcastRun::send_inplace() {
+  const size_t groups = plan_.inplace_groups.size();
+  for (size_t g = 0; g < groups; ++g) {
+    const auto& group = plan_.inplace_groups[g];
+    throttle_.before_next("in-place group", g, groups);
+    // One ncclGroupStart/End per group: fewer launches and protocol startups than a broadcast per tensor.
+    // gloo has no coalescing.
+    const bool coalesce = cuda_ && runs_in(plan_, group) > 1;
+    if (coalesce) pg_->startCoalescing(plan_.device.type());
+    for (size_t i = 0; i < group.size(); ++i) {
+      const auto& first = plan_.unique[group[i]];
+      int64_t nbytes = first.nbytes;
+      while (plan_.unique[group[i]].joins_next) nbytes += plan_.unique[group[++i]].nbytes;
+      const auto& t = plan_.tensor(first);
+      std::vector<at::Tensor> v{nbytes == first.nbytes ? as_bytes(t) : span_bytes(t, nbytes)};
+      auto work = pg_->broadcast(v, opts_);
+      if (!coalesce) wait_work(work, "in-place group", g, groups);
+    }
+    if (coalesce) wait_work(pg_->endCoalescing(plan_.device.type()), "in-place group", g, groups);
+    if (throttle_.active()) {  // the stream the group ran on
+      throttle_.after(c10::impl::getDeviceGuardImpl(plan_.device.type())->getStream(plan_.device));
+    }
+  }
+}
+
+void BroadcastRun::take_executor(PreparedRun* prepared) {
+  if (prepared == nullptr || !prepared->exec) {
+    exec_ = make_executor(plan_);
+    if (timeout_.count() > 0) exec_->set_deadline(deadline_, pg_->getRank());
+    exec_->begin();
+    return;
+  }
+  TORCH_CHECK(prepared->plan == &plan_ && prepared->generation == plan_.layout_generation &&
+                  prepared->is_src == is_src_ && !hook_,
+              "a prepared run belongs to another plan, layout or rank, got one of generation ", prepared->generation,
+              " for layout ", plan_.layout_generation);
+  TORCH_CHECK(prepared->sent == 0 || prepared->packed == prepared->sent || !is_src_,
+              "the source speculated with ", prepared->sent, " buckets but packed ", prepared->packed,
+              ": its slots hold no data, the agreement must have dropped this run");
+  exec_ = std::move(prepared->exec);
+  arena_ = prepared->arena;  // a copy: a kept ring stays the caller's
+  table_ = prepared->table;  // where the ring came from a Prepack, its own: held to the end of the run
+  early_reads_ = std::move(prepared->early_reads);
+  early_host_bytes_ = prepared->early_host_bytes;
+  early_batched_bytes_ = prepared->early_batched_bytes;
+  prepacked_ = prepared->packed;
+  present_ = prepared->sent;
+  early_works_ = std::move(prepared->works);
+  if (timeout_.count() > 0) exec_->set_deadline(deadline_, pg_->getRank());
+}
+
+// Bucket k: the source packs it (unless prepacked or direct), every rank broadcasts it (unless speculated),
+// a receiver unpacks it and runs the hook.
+void BroadcastRun::bucket(int64_t k) {
+  const int64_t s = k % plan_.ring_slots;
+  const size_t count = plan_.buckets.size();
+  // A direct bucket is broadcast from or into the tensors' own memory: no slot, no pack or unpack.
+  const bool direct = plan_.buckets[k].direct_tensor >= 0;
+  auto slot = direct ? direct_bytes(plan_, k) : slot_of(plan_, arena_, k);
+  throttle_.before_next("bucket", k, count);
+  if (is_src_ && !direct && k >= prepacked_) {
+    exec_->wait(Lane::kCopy, s);
+    exec_->pack(k, slot);
+    exec_->signal(Lane::kCopy, s);
+  }
+  if (k < present_) {
+    // Sent before the agreement: on CPU its Work is waited for here, before the unpack reads the slot.
+    if (k < static_cast<int64_t>(early_works_.size())) wait_work(early_works_[k], "bucket", k, count);
+  } else {
+    on_comm_lane(*exec_, s, [&] {
+      std::vector<at::Tensor> v{slot};
+      wait_work(pg_->broadcast(v, opts_), "bucket", k, count);
+      // A load's source writes its own shards too, on the comm lane: on the copy lane they would hold the
+      // next bucket's host copy behind this broadcast.
+      if (is_src_ && plan_.is_load) exec_->scatter(k, slot, Lane::kComm);
+    });
+  }
+  if (!is_src_ && (!direct || hook_)) {
+    exec_->wait(Lane::kCopy, s);
+    if (!direct && plan_.is_load) {
+      exec_->scatter(k, slot, Lane::kCopy);
+    } else if (!direct) {
+      exec_->unpack(k, slot);
+    }
+    if (hook_) {
+      c10::OptionalStreamGuard copy(exec_->stream(Lane::kCopy));
+      hook_(k, slot);
+    }
+    exec_->signal(Lane::kCopy, s);
+  }
+  // Its last step's lane: a receiver's direct bucket ends on the comm lane (no unpack).
+  const bool ends_on_comm = is_src_ || (direct && !hook_);
+  if (throttle_.active()) throttle_.after(*exec_->stream(ends_on_comm ? Lane::kComm : Lane::kCopy));
+}
+
+// An error on its way out: the in-place broadcasts and the ring go back to the caller's stream, ordered
+// after what was queued.
+void BroadcastRun::unwind() {
+  exec_->end(/*unwinding=*/true);
+  // Broadcasts sent before the agreement and not yet waited for (gloo's threads) may still write the ring.
+  for (const auto& work : early_works_) {
+    if (work && !work->isCompleted()) leak(arena_);
+  }
+}
+
+void BroadcastRun::send_buckets(const Progress& progress, RunStats& stats) {
+  const bool report = is_src_ && progress.report;
+  const auto every = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(progress.every));
+  auto next_report = t0_ + every;
+  int64_t queued = 0;
+  try {
+    {
+      c10::OptionalStreamGuard comm(exec_->stream(Lane::kComm));
+      send_inplace();
+    }
+    if (!arena_.defined()) arena_ = make_arena(plan_, *exec_);
+    stats.ring_bytes = arena_.numel() + (table_.defined() ? table_.numel() : 0);
+    for (int64_t k = 0; k < static_cast<int64_t>(plan_.buckets.size()); ++k) {
+      bucket(k);
+      queued += plan_.buckets[k].nbytes;
+      if (report && std::chrono::steady_clock::now() >= next_report) {
+        progress.report(queued);
+        next_report = std::chrono::steady_clock::now() + every;
+      }
+    }
+  } catch (...) {
+    unwind();
+    throw;
+  }
+}
+
+void BroadcastRun::end(bool leave_host_reads, RunStats& stats) {
+  stats.host_ring_bytes = exec_->host_bytes() + early_host_bytes_;
+  stats.host_batched_bytes = exec_->host_batched_bytes() + early_batched_bytes_;
+  if (leave_host_reads) {
+    stats.host_reads = joined(exec_->end_leaving_host_reads(), std::move(early_reads_));
+  } else {
+    exec_->end();
+    if (early_reads_) early_reads_->wait();  // queued before this run's copies, which end() waited for
+  }
+}
+
+}  // namespace
+
 RunStats broadcast_plan(
     const Plan& plan,
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
@@ -253,209 +498,26 @@ RunStats broadcast_plan(
     bool leave_host_reads,
     PreparedRun* prepared) {
   const auto t0 = std::chrono::steady_clock::now();
-  TORCH_CHECK_VALUE(
-      src >= 0 && src < pg->getSize(), "src must be a rank of the group (0..", pg->getSize() - 1, "), got ", src,
-      " on rank ", pg->getRank());
+  TORCH_CHECK_VALUE(src >= 0 && src < pg->getSize(), "src must be a rank of the group (0..", pg->getSize() - 1,
+                    "), got ", src, " on rank ", pg->getRank());
   RunStats stats;
   if (plan.unique.empty() && plan.buckets.empty()) return stats;
   check_backend(plan, pg);
-  const bool is_src = pg->getRank() == src;
-  const bool cuda = plan.device.is_cuda();
   c10::DeviceGuard device_guard(plan.device);
-  // Parameters that require grad are written through byte views: autograd must
-  // neither record nor refuse those views.
+  // Parameters that require grad are written through byte views: autograd must neither record nor refuse
+  // those views.
   at::NoGradGuard no_grad;
-
-  auto opts = broadcast_options(src, timeout);
-  // Sync ops (torch >= 2.8) run on the current stream (the caller's, or the
-  // comm lane's under its guard) and stash nothing. Older torch ignores asyncOp:
-  // ProcessGroupNCCL runs the broadcast on its own stream after waiting for the
-  // current one, recordStream()s the tensor there, and returns a Work whose
-  // wait() makes the current stream wait for it (host not blocked). Why that
-  // still bounds memory and keeps the order:
-  //  - Order: each broadcast's wait() puts its end on the comm lane before
-  //    exec->signal(kComm, s) records slot s's event there, so the receiver's
-  //    unpack of bucket k, and the source's pack of bucket k + ring_slots into
-  //    the same slot (exec->wait on that event), both come after NCCL has
-  //    finished with the slot. No slot is written while NCCL reads or writes it.
-  //  - Memory: the ring is one allocation per call (arena, below), reused slot
-  //    by slot; recordStream only marks that block as used on NCCL's stream, so
-  //    its free at return is deferred until NCCL's stream passes its last
-  //    broadcast. Nothing is allocated per bucket, so nothing piles up per
-  //    bucket as torch's own _broadcast_coalesced did (a fresh recordStream'd
-  //    flat copy per bucket: tens of GB on torch <= 2.7). At most one deferred
-  //    arena per call not yet passed by the GPU, and the caching allocator
-  //    reclaims those (waits for their events) before it reports out of memory.
-  //  - In-place tensors are the caller's own; recordStream on them only keeps
-  //    their memory from being reused before the broadcast into it is done.
-  // On CPU (gloo) every version returns a Work that runs on gloo's threads;
-  // before torch 2.8 gloo ignores opts.timeout, so the host waits for it
-  // against the call's deadline itself (wait_work).
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  auto wait_work = [&](const c10::intrusive_ptr<c10d::Work>& work, const char* what, size_t index, size_t count) {
-    if (!work) return;
-    if (cuda || timeout.count() <= 0) {  // CUDA: a stream wait, not a host wait (the throttle keeps the deadline)
-      work->wait();
-      return;
-    }
-    // Rounded up: the wait ends at the deadline, not up to a millisecond before it.
-    auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-    try {
-      work->wait(std::max(left, std::chrono::milliseconds(1)));
-    } catch (const std::exception& e) {
-      // A Work that finished with an error is a peer's failure: as it is. One still running ran out of time.
-      if (work->isCompleted()) throw;
-      TORCH_CHECK(
-          false, "Timed out: ", what, " ", index, " of ", count, " did not finish on rank ", pg->getRank(),
-          " within the timeout of ", timeout.count(),
-          " ms (a rank stalled, died or called another collective): ", e.what());
-    }
-  };
-  auto broadcast = [&](const at::Tensor& bytes, size_t index, size_t count) {
-    std::vector<at::Tensor> v{bytes};
-    wait_work(pg->broadcast(v, opts), "bucket", index, count);
-  };
-  Throttle throttle(plan.device, timeout, pg->getRank());
-
-  auto send_inplace = [&]() {
-    for (size_t g = 0; g < plan.inplace_groups.size(); ++g) {
-      const auto& group = plan.inplace_groups[g];
-      throttle.before_next("in-place group", g, plan.inplace_groups.size());
-      // One ncclGroupStart/End per group: fewer launches and protocol
-      // startups than a broadcast per tensor. gloo has no coalescing.
-      const bool coalesce = cuda && runs_in(plan, group) > 1;
-      if (coalesce) pg->startCoalescing(plan.device.type());
-      for (size_t i = 0; i < group.size(); ++i) {
-        const auto& first = plan.unique[group[i]];
-        int64_t nbytes = first.nbytes;
-        while (plan.unique[group[i]].joins_next) nbytes += plan.unique[group[++i]].nbytes;
-        const auto& t = plan.tensor(first);
-        std::vector<at::Tensor> v{nbytes == first.nbytes ? as_bytes(t) : span_bytes(t, nbytes)};
-        auto work = pg->broadcast(v, opts);
-        if (!coalesce) wait_work(work, "in-place group", g, plan.inplace_groups.size());
-      }
-      if (coalesce) wait_work(pg->endCoalescing(plan.device.type()), "in-place group", g, plan.inplace_groups.size());
-      if (throttle.active()) {  // the stream the group ran on: the caller's, or the comm lane's under its guard
-        throttle.after(c10::impl::getDeviceGuardImpl(plan.device.type())->getStream(plan.device));
-      }
-    }
-  };
-
+  BroadcastRun run(plan, pg, src, timeout, hook, t0);
   if (plan.buckets.empty()) {
-    // Nothing to pack (an FSDP unit, usually): the broadcasts go on the
-    // caller's stream, in its order, with no side streams or events to pay for.
-    send_inplace();
-    finish(plan, is_src, stats, t0);
-    return stats;
-  }
-
-  std::unique_ptr<Executor> exec;
-  at::Tensor arena;
-  at::Tensor table;
-  std::shared_ptr<HostReads> early_reads;
-  int64_t early_host_bytes = 0;
-  int64_t early_batched_bytes = 0;
-  int64_t prepacked = 0;  // the source's buckets packed before the agreement
-  int64_t present = 0;    // buckets broadcast before it (speculate)
-  std::vector<c10::intrusive_ptr<c10d::Work>> early_works;
-  if (prepared != nullptr && prepared->exec) {
-    TORCH_CHECK(
-        prepared->plan == &plan && prepared->generation == plan.layout_generation && prepared->is_src == is_src &&
-            !hook,
-        "a prepared run belongs to another plan, layout or rank, got one of generation ", prepared->generation,
-        " for layout ", plan.layout_generation);
-    TORCH_CHECK(prepared->sent == 0 || prepared->packed == prepared->sent || !is_src,
-                "the source speculated with ", prepared->sent, " buckets but packed ", prepared->packed,
-                ": its slots hold no data, the agreement must have dropped this run");
-    exec = std::move(prepared->exec);
-    arena = prepared->arena;  // a copy: a kept ring stays the caller's
-    table = prepared->table;  // where the ring came from a Prepack, its own: held to the end of the run
-    early_reads = std::move(prepared->early_reads);
-    early_host_bytes = prepared->early_host_bytes;
-    early_batched_bytes = prepared->early_batched_bytes;
-    prepacked = prepared->packed;
-    present = prepared->sent;
-    early_works = std::move(prepared->works);
-    if (timeout.count() > 0) exec->set_deadline(deadline, pg->getRank());
+    // Nothing to pack (an FSDP unit, usually): the broadcasts go on the caller's stream, in its order, with no
+    // side streams or events to pay for.
+    run.send_inplace();
   } else {
-    exec = make_executor(plan);
-    if (timeout.count() > 0) exec->set_deadline(deadline, pg->getRank());
-    exec->begin();
+    run.take_executor(prepared);
+    run.send_buckets(progress, stats);
+    run.end(leave_host_reads, stats);
   }
-  const bool report = is_src && progress.report;
-  const auto every = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-      std::chrono::duration<double>(progress.every));
-  auto next_report = t0 + every;
-  int64_t queued = 0;
-  try {
-    {
-      c10::OptionalStreamGuard comm(exec->stream(Lane::kComm));
-      send_inplace();
-    }
-    if (!arena.defined()) arena = make_arena(plan, *exec);
-    stats.ring_bytes = arena.numel() + (table.defined() ? table.numel() : 0);
-    for (int64_t k = 0; k < static_cast<int64_t>(plan.buckets.size()); ++k) {
-      const int64_t s = k % plan.ring_slots;
-      // A direct bucket is broadcast from or into the tensors' own memory: no slot, no pack or unpack.
-      const bool direct = plan.buckets[k].direct_tensor >= 0;
-      auto slot = direct ? direct_bytes(plan, k) : slot_of(plan, arena, k);
-      throttle.before_next("bucket", k, plan.buckets.size());
-      if (is_src && !direct && k >= prepacked) {
-        exec->wait(Lane::kCopy, s);
-        exec->pack(k, slot);
-        exec->signal(Lane::kCopy, s);
-      }
-      if (k < present) {
-        // Sent before the agreement: on CPU its Work is waited for here, before the unpack reads the slot.
-        if (k < static_cast<int64_t>(early_works.size())) wait_work(early_works[k], "bucket", k, plan.buckets.size());
-      } else {
-        on_comm_lane(*exec, s, [&] {
-          broadcast(slot, k, plan.buckets.size());
-          // A load's source writes its own shards too, on the comm lane: on the
-          // copy lane they would hold the next bucket's host copy behind this broadcast.
-          if (is_src && plan.is_load) exec->scatter(k, slot, Lane::kComm);
-        });
-      }
-      if (!is_src && (!direct || hook)) {
-        exec->wait(Lane::kCopy, s);
-        if (!direct && plan.is_load) {
-          exec->scatter(k, slot, Lane::kCopy);
-        } else if (!direct) {
-          exec->unpack(k, slot);
-        }
-        if (hook) {
-          c10::OptionalStreamGuard copy(exec->stream(Lane::kCopy));
-          hook(k, slot);
-        }
-        exec->signal(Lane::kCopy, s);
-      }
-      // Its last step's lane: a receiver's direct bucket ends on the comm lane (no unpack).
-      const bool ends_on_comm = is_src || (direct && !hook);
-      if (throttle.active()) throttle.after(*exec->stream(ends_on_comm ? Lane::kComm : Lane::kCopy));
-      queued += plan.buckets[k].nbytes;
-      if (report && std::chrono::steady_clock::now() >= next_report) {
-        progress.report(queued);
-        next_report = std::chrono::steady_clock::now() + every;
-      }
-    }
-  } catch (...) {
-    // The in-place broadcasts and the ring go back to the caller's stream: order it after what was queued.
-    exec->end(/*unwinding=*/true);
-    // Broadcasts sent before the agreement and not yet waited for (gloo's threads) may still write the ring.
-    for (const auto& work : early_works) {
-      if (work && !work->isCompleted()) leak(arena);
-    }
-    throw;
-  }
-  stats.host_ring_bytes = exec->host_bytes() + early_host_bytes;
-  stats.host_batched_bytes = exec->host_batched_bytes() + early_batched_bytes;
-  if (leave_host_reads) {
-    stats.host_reads = joined(exec->end_leaving_host_reads(), std::move(early_reads));
-  } else {
-    exec->end();
-    if (early_reads) early_reads->wait();  // queued before this run's copies, which end() waited for
-  }
-  finish(plan, is_src, stats, t0);
+  finish(plan, run.is_src(), stats, t0);
   return stats;
 }
 

@@ -99,18 +99,9 @@ void check_no_overlap(const Plan& plan) {
   }
 }
 
-// Planning's pass in chunks of at least this many tensors: on an H200 host
-// (16 cores, torch 2.11) 16k tensors planned in 2.20 ms with 8 chunks and 1.99
-// with 2, 64k in 9.99 ms with 8 and 11.2 with 2 (bench/plan_host.py, with the
-// tensors in the caches). COALESCED_BCAST_PLAN_GRAIN sets it (A/B runs: a
-// one-shot sync plans tensors the caches no longer hold, plan_host.py --cold).
-int64_t plan_grain() {
-  static const int64_t grain = [] {
-    const char* v = std::getenv("COALESCED_BCAST_PLAN_GRAIN");
-    return v != nullptr && std::atoll(v) > 0 ? static_cast<int64_t>(std::atoll(v)) : int64_t{8192};
-  }();
-  return grain;
-}
+// Planning's pass runs in chunks of at least this many tensors (over the host's threads): fewer and the
+// threads' start and join cost more than they save.
+constexpr int64_t kPlanGrain = 8192;
 
 // Tensors allocated one after another mostly lie in ascending order already (a
 // model's parameters: a few dozen descents in 16k): merge the ascending runs
@@ -329,49 +320,52 @@ std::string Plan::describe(int64_t input) const {
   return s.str();
 }
 
-Plan make_plan(
-    TensorRefs tensors,
-    const std::vector<std::string>& names,
-    const PlanOptions& options) {
-  Plan plan;
-  plan.options = options;
-  plan.names = names;
-  TORCH_CHECK_VALUE(
-      names.empty() || names.size() == tensors.size(), "got ", names.size(), " names for ", tensors.size(),
-      " tensors");
-  TORCH_CHECK_VALUE(
-      options.bucket_bytes >= 4096 && options.bucket_bytes % kAlign == 0,
-      "bucket_bytes must be a multiple of ", kAlign, " and at least 4096, got ", options.bucket_bytes);
-  TORCH_CHECK_VALUE(options.ring_depth >= 1, "ring_depth must be at least 1, got ", options.ring_depth);
-  TORCH_CHECK_VALUE(options.inplace_min_bytes >= 0, "inplace_min_bytes must be >= 0, got ", options.inplace_min_bytes);
-  if (!tensors.empty() && tensors[0].defined()) plan.device = tensors[0].device();
-  plan.inputs = std::move(tensors);
-  const auto& inputs = plan.inputs;
+namespace {
 
-  // One pass reads what we need of each tensor, once: at 16k tensors each
-  // TensorImpl's first touch (a cache miss) is most of the planner's cost.
-  struct Seen {
-    int64_t nbytes;
-    int32_t elem_size;
-    bool contiguous;
-    bool dense;
-  };
-  // An input's bytes [lo, hi), sorted once: equal ranges are aliases, and
-  // ranges that touch are checked for overlap.
-  struct Span {
-    uintptr_t lo, hi;
-    int64_t input;
-    bool operator<(const Span& o) const {
-      return std::tie(lo, hi, input) < std::tie(o.lo, o.hi, o.input);
-    }
-  };
+// What planning reads of each input, once: each TensorImpl's first touch (a cache miss) is most of the
+// planner's cost over many tensors.
+struct Seen {
+  int64_t nbytes;
+  int32_t elem_size;
+  bool contiguous;
+  bool dense;
+};
+
+// An input's bytes [lo, hi), sorted once: equal ranges are aliases, and ranges that touch are checked for
+// overlap.
+struct Span {
+  uintptr_t lo, hi;
+  int64_t input;
+  bool operator<(const Span& o) const {
+    return std::tie(lo, hi, input) < std::tie(o.lo, o.hi, o.input);
+  }
+};
+
+struct InputScan {
+  std::vector<Seen> seen;
+  std::vector<Span> spans;  // sorted; inputs without bytes left out
+  std::vector<uint64_t> record_hash;  // what the fingerprint records of each input, hashed
+};
+
+void check_plan_options(const TensorRefs& tensors, const std::vector<std::string>& names,
+                        const PlanOptions& options) {
+  TORCH_CHECK_VALUE(names.empty() || names.size() == tensors.size(), "got ", names.size(), " names for ",
+                    tensors.size(), " tensors");
+  TORCH_CHECK_VALUE(options.bucket_bytes >= 4096 && options.bucket_bytes % kAlign == 0,
+                    "bucket_bytes must be a multiple of ", kAlign, " and at least 4096, got ", options.bucket_bytes);
+  TORCH_CHECK_VALUE(options.ring_depth >= 1, "ring_depth must be at least 1, got ", options.ring_depth);
+  TORCH_CHECK_VALUE(options.inplace_min_bytes >= 0, "inplace_min_bytes must be >= 0, got ",
+                    options.inplace_min_bytes);
+}
+
+// One pass over the inputs (in chunks on several threads): checks each, fills plan.keys and the scan.
+InputScan scan_inputs(Plan& plan) {
+  const auto& inputs = plan.inputs;
   const auto n = static_cast<int64_t>(inputs.size());
-  std::vector<Seen> seen(n);
-  std::vector<Span> spans(n);
+  InputScan scan{std::vector<Seen>(n), std::vector<Span>(n), std::vector<uint64_t>(n)};
   plan.keys.resize(n);
-  std::vector<uint64_t> record_hash(n);  // what the fingerprint records of each input, hashed
-  // A copy-on-write storage is materialized by data_ptr(): once, on this
-  // thread, after the parallel pass has flagged it (aliases may share it).
+  // A copy-on-write storage is materialized by data_ptr(): once, on this thread, after the parallel pass has
+  // flagged it (aliases may share it).
   std::vector<uint8_t> cow(n, 0);
   auto visit = [&](int64_t i, bool may_materialize) {
     const auto& t = inputs[i];
@@ -387,21 +381,20 @@ Plan make_plan(
     const auto elem_size = static_cast<int32_t>(t.element_size());
     const int64_t nbytes = static_cast<int64_t>(t.numel()) * elem_size;
     const bool contiguous = t.is_contiguous();
-    TORCH_CHECK_VALUE(
-        contiguous || at::has_internal_overlap(t) != at::MemOverlap::Yes, plan.describe(i), " (shape ",
-        shape_str(t.sizes()), ", strides ", shape_str(t.strides()),
-        ") overlaps itself in memory (an expanded view?); pass a real tensor");
+    TORCH_CHECK_VALUE(contiguous || at::has_internal_overlap(t) != at::MemOverlap::Yes, plan.describe(i),
+                      " (shape ", shape_str(t.sizes()), ", strides ", shape_str(t.strides()),
+                      ") overlaps itself in memory (an expanded view?); pass a real tensor");
     const auto addr = nbytes > 0 ? reinterpret_cast<uintptr_t>(t.data_ptr()) : 0;
-    seen[i] = Seen{nbytes, elem_size, contiguous, !contiguous && impl->is_non_overlapping_and_dense()};
+    scan.seen[i] = Seen{nbytes, elem_size, contiguous, !contiguous && impl->is_non_overlapping_and_dense()};
     plan.keys[i] = key_of(t, addr);
     uint64_t h = hash_mix(hash_mix(static_cast<uint64_t>(t.scalar_type()), sizes.size()), nbytes);
     for (const auto s : sizes) h = hash_mix(h, s);
-    record_hash[i] = h;
+    scan.record_hash[i] = h;
     const auto e = nbytes > 0 ? extent(t, addr, nbytes, contiguous) : std::make_pair(uintptr_t{0}, uintptr_t{0});
-    spans[i] = Span{e.first, e.second, i};
+    scan.spans[i] = Span{e.first, e.second, i};
   };
-  // Each input on its own, in chunks on several threads; the first input that
-  // fails is visited again here, so that its error is the one raised.
+  // Each input on its own; the first input that fails is visited again here, so that its error is the one
+  // raised.
   const int64_t bad = first_failing(inputs.data(), n, [&](int64_t i) {
     try {
       visit(i, false);
@@ -409,18 +402,25 @@ Plan make_plan(
     } catch (...) {
       return false;
     }
-  }, plan_grain());
+  }, kPlanGrain);
   for (int64_t i = 0; i < n; ++i) {
     if (cow[i] || i == bad) visit(i, true);  // at `bad`, raises
   }
+  auto& spans = scan.spans;
   spans.erase(std::remove_if(spans.begin(), spans.end(), [](const Span& s) { return s.hi == 0; }), spans.end());
   sort_mostly_ascending(spans);
-  // The same bytes named twice (tied weights, one buffer registered in two
-  // modules, a reshaped alias) are sent once: contiguous inputs with the same
-  // range, or strided views with the same address, shape, strides and dtype.
-  // Within a run of equal ranges the first input is the lowest.
-  std::vector<int64_t> alias(n, -1);  // input -> the first input naming the same bytes
-  bool touching = false;              // do the extents of two distinct tensors meet?
+  return scan;
+}
+
+// The same bytes named twice (tied weights, one buffer registered in two modules, a reshaped alias) are sent
+// once: contiguous inputs with the same range, or strided views with the same address, shape, strides and
+// dtype. Within a run of equal ranges the first input is the lowest. Fills alias (input -> the first input
+// naming the same bytes, or -1); returns whether the extents of two distinct tensors meet.
+bool find_aliases(const Plan& plan, const InputScan& scan, std::vector<int64_t>& alias) {
+  const auto& inputs = plan.inputs;
+  const auto& spans = scan.spans;
+  const auto& seen = scan.seen;
+  bool touching = false;
   uintptr_t max_hi = 0;
   for (size_t k = 0; k < spans.size();) {
     size_t end = k + 1;
@@ -445,6 +445,13 @@ Plan make_plan(
     max_hi = std::max(max_hi, spans[k].hi);
     k = end;
   }
+  return touching;
+}
+
+// The unique tensors (inputs that alias none before them), in input order; returns the fingerprint's hash
+// over them.
+uint64_t collect_unique(Plan& plan, const InputScan& scan, const std::vector<int64_t>& alias) {
+  const auto n = static_cast<int64_t>(plan.inputs.size());
   plan.input_to_unique.resize(n);
   plan.unique.reserve(n);
   uint64_t fp_hash = hash_mix(1, n);
@@ -453,26 +460,49 @@ Plan make_plan(
       plan.input_to_unique[i] = plan.input_to_unique[alias[i]];
       continue;
     }
-    const auto& s = seen[i];
+    const auto& s = scan.seen[i];
     const auto addr = plan.keys[i].addr;
-    // In place only for whole, aligned 16-byte words: NCCL's LL protocol reads
-    // up to a word past the end of a buffer (compute-sanitizer memcheck on H200,
-    // NCCL 2.28.9), harmless inside our ring slots but not at a tensor's end.
-    // A dense tensor's extent is exactly its bytes: in memory order it goes as a contiguous one does.
+    // In place only for whole, aligned 16-byte words: NCCL's LL protocol reads up to a word past the end of a
+    // buffer (compute-sanitizer's memcheck reports it), harmless inside our ring slots but not at a tensor's
+    // end. A dense tensor's extent is exactly its bytes: in memory order it goes as a contiguous one does.
     const bool eligible = (s.contiguous || s.dense) && s.nbytes > 0 && s.nbytes % kAlign == 0 && addr % kAlign == 0;
     plan.input_to_unique[i] = static_cast<int64_t>(plan.unique.size());
     plan.unique.push_back(
         UniqueTensor{i, s.nbytes, addr, s.elem_size, s.contiguous, s.dense, eligible, false, false, false});
     plan.total_bytes += s.nbytes;
-    fp_hash = hash_mix(fp_hash, record_hash[i]);
+    fp_hash = hash_mix(fp_hash, scan.record_hash[i]);
   }
-  if (touching) check_no_overlap(plan);
+  return fp_hash;
+}
+
+// Each unique tensor that the next one continues in the same storage (an FSDP unit laid out in one buffer).
+void mark_adjacent(Plan& plan) {
   for (size_t u = 0; u + 1 < plan.unique.size(); ++u) {
     auto& a = plan.unique[u];
     const auto& b = plan.unique[u + 1];
     a.adjacent_next = a.eligible && b.eligible && a.ptr + static_cast<uintptr_t>(a.nbytes) == b.ptr &&
         plan.keys[a.first_input].storage == plan.keys[b.first_input].storage;
   }
+}
+
+}  // namespace
+
+Plan make_plan(
+    TensorRefs tensors,
+    const std::vector<std::string>& names,
+    const PlanOptions& options) {
+  check_plan_options(tensors, names, options);
+  Plan plan;
+  plan.options = options;
+  plan.names = names;
+  if (!tensors.empty() && tensors[0].defined()) plan.device = tensors[0].device();
+  plan.inputs = std::move(tensors);
+  const InputScan scan = scan_inputs(plan);
+  std::vector<int64_t> alias(plan.inputs.size(), -1);
+  const bool touching = find_aliases(plan, scan, alias);
+  uint64_t fp_hash = collect_unique(plan, scan, alias);
+  if (touching) check_no_overlap(plan);
+  mark_adjacent(plan);
   fp_hash = hash_mix(fp_hash, plan.unique.size());
   for (const auto u : plan.input_to_unique) fp_hash = hash_mix(fp_hash, u);
   plan.fp_hash = static_cast<int64_t>(fp_hash);
@@ -508,9 +538,8 @@ std::string Plan::check_unchanged(int64_t first, int64_t start) const {
       const auto& k = ks[i];
       return now.addr == k.addr && now.storage == k.storage && now.shape_hash == k.shape_hash;
     };
-    // In chunks on several threads, prefetching: a kept plan checks every tensor before each run,
-    // 30-45 ns each on one thread without (16k tensors: 0.5-0.7 ms on the CPU machine), more once the
-    // tensors outgrow the caches. The first changed tensor is reported.
+    // In chunks on several threads, prefetching: a kept plan checks every tensor before each run, a
+    // cache miss each on one thread without, and more once the tensors outgrow the caches. The first changed tensor is reported.
     const int64_t i = skip + first_failing(tensors.data() + skip, n - skip, same);
     if (i == n) return std::string();
     const auto& t = tensors[i];

@@ -145,7 +145,7 @@ struct Plan {
   std::vector<InputKey> dest_keys;  // checked by a kept plan (a refit's receiver)
   std::vector<CopyOp> host_ops;  // the source's runs in host memory, into a device ring
   // Per host run, the deleter of its tensor's storage: which allocator made the memory, so that the executor
-  // knows torch's pinned memory without asking CUDA about each run (0.3 us a run).
+  // knows torch's pinned memory without asking CUDA about each run (a driver call a run).
   std::vector<c10::DeleterFnPtr> host_allocs;
   std::vector<ScatterOp> scatter;
   std::vector<Box> boxes;
@@ -225,6 +225,9 @@ struct LoadOptions {
   c10::Device device{at::kCPU};  // the model's
   bool whole_units = false;      // a refit's stream: units that fit in a bucket do not cross one (units.h)
   bool kept = false;             // run again after check_unchanged (a refit's receiver): keys of the dests taken
+  // Direct buckets (direct.cpp): a bucket whose bytes lie back to back in one storage of this rank is
+  // broadcast from or into that memory. false: every bucket goes through the ring.
+  bool direct = true;
 };
 
 // A load of checkpoint tensors ("units") that one rank holds in full into the
@@ -305,8 +308,6 @@ struct SpanRun {
 // and in one storage that is not in `excluded` (sorted). Returns whether it did.
 bool mark_direct(Plan& plan, int64_t k, std::vector<SpanRun>& runs,
                  const std::vector<const c10::StorageImpl*>& excluded = {});
-// Direct buckets are on unless COALESCED_BCAST_DIRECT=0 (read when a plan is made: A/B runs).
-bool direct_buckets_enabled();
 // The bytes of bucket k where they lie on this rank (a direct bucket).
 at::Tensor direct_bytes(const Plan& plan, int64_t k);
 

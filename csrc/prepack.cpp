@@ -1,8 +1,7 @@
 // prepack: a load's source reads its first buckets from the checkpoint's host
 // memory into its ring while it still plans. The copy up the bus is a load's
-// slowest leg (1 GiB of small pinned runs: ~21 ms on an H100), and a plan of
-// 16k keys takes ~8-12 ms of host work before the ring is made (load_dests,
-// the scatter runs, the post-hooks' steps): the first buckets' copies need
+// slowest leg, and a plan of many keys takes host work before the ring is
+// made (load_dests, the scatter runs, the post-hooks' steps): the first buckets' copies need
 // none of it, only the stream's layout (the metadata table) and the
 // checkpoint's tensors. A plan of the units those buckets hold, with pack runs
 // and no destinations, packs them through a PreparedRun of its own; the load's

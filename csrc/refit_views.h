@@ -2,8 +2,8 @@
 // bucket_units row, a view into the ring slot, shaped when the row is a whole
 // unit; with names, the (name, view) pairs and (name, flat view, first
 // element, full shape) pieces an engine's callback takes. Units and rows are
-// read once per plan, not once per bucket: with 18.9k units in 900 buckets,
-// reading the units table per bucket cost 0.24 ms a bucket (216 ms a refit).
+// read once per plan, not once per bucket: reading the whole units table per
+// bucket costs a refit of many buckets a pass over every unit for each one.
 #pragma once
 
 #include <torch/extension.h>

@@ -8,7 +8,6 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
-#include <algorithm>
 #include <climits>
 
 #include "cast.h"
@@ -25,35 +24,31 @@ __global__ void __launch_bounds__(kThreads) scatter_kernel(
     uintptr_t dst_base,
     const ScatterOp* __restrict__ ops,
     int64_t num_ops,
-    int64_t chunks,
     const Box* __restrict__ boxes) {
   __shared__ int64_t index;
-  // One chunk per block, unless the grid was capped (copy_blocks_cap): then blocks stride over them.
-  for (int64_t block = blockIdx.x; block < chunks; block += gridDim.x) {
-    __syncthreads();  // every thread is done with the last chunk's `index`
-    if (threadIdx.x < 32) {  // the last run whose chunks start at or before this block
-      const int64_t after = warp_partition_point(num_ops, [&](int64_t k) { return ops[k].first_chunk <= block; });
-      if (threadIdx.x == 0) index = after - 1;
-    }
-    __syncthreads();
-    const ScatterOp op = ops[index];
-    const int64_t ss = op.src_size, ds = op.dst_size;
-    const int64_t b0 = (block - op.first_chunk) * kScatterChunk;
-    const int64_t b1 = min(b0 + kScatterChunk, op.count * ss);
-    const auto* src = reinterpret_cast<const uint8_t*>(src_base + op.bucket_offset);
-    auto* dst = reinterpret_cast<uint8_t*>(dst_base + op.dst_ptr);
-    if (op.box < 0 && op.src_type == op.dst_type) {
-      copy_window<kThreads, kScatterChunk / (kThreads * kAlign)>(dst + op.first * ds, src, b0, b1);
-      continue;
-    }
-    for (int64_t e = b0 / ss + threadIdx.x; e < b1 / ss; e += kThreads) {
-      int64_t off = op.first + e;
-      if (op.box >= 0 && !box_offset(boxes[op.box], op.first + e, &off)) continue;
-      if (op.src_type == op.dst_type) {
-        copy_small(dst + off * ds, src + e * ss, static_cast<int>(ss));
-      } else {
-        cast_element(src + e * ss, op.src_type, dst + off * ds, op.dst_type);
-      }
+  const int64_t block = blockIdx.x;  // one chunk per block
+  if (threadIdx.x < 32) {  // the last run whose chunks start at or before this block
+    const int64_t after = warp_partition_point(num_ops, [&](int64_t k) { return ops[k].first_chunk <= block; });
+    if (threadIdx.x == 0) index = after - 1;
+  }
+  __syncthreads();
+  const ScatterOp op = ops[index];
+  const int64_t ss = op.src_size, ds = op.dst_size;
+  const int64_t b0 = (block - op.first_chunk) * kScatterChunk;
+  const int64_t b1 = min(b0 + kScatterChunk, op.count * ss);
+  const auto* src = reinterpret_cast<const uint8_t*>(src_base + op.bucket_offset);
+  auto* dst = reinterpret_cast<uint8_t*>(dst_base + op.dst_ptr);
+  if (op.box < 0 && op.src_type == op.dst_type) {
+    copy_window<kThreads, kScatterChunk / (kThreads * kAlign)>(dst + op.first * ds, src, b0, b1);
+    return;
+  }
+  for (int64_t e = b0 / ss + threadIdx.x; e < b1 / ss; e += kThreads) {
+    int64_t off = op.first + e;
+    if (op.box >= 0 && !box_offset(boxes[op.box], op.first + e, &off)) continue;
+    if (op.src_type == op.dst_type) {
+      copy_small(dst + off * ds, src + e * ss, static_cast<int>(ss));
+    } else {
+      cast_element(src + e * ss, op.src_type, dst + off * ds, op.dst_type);
     }
   }
 }
@@ -70,8 +65,7 @@ void launch_scatter_bucket(
     cudaStream_t stream) {
   if (num_ops == 0) return;
   TORCH_CHECK(chunks > 0 && chunks <= INT_MAX, "a bucket of ", num_ops, " scatter runs needs ", chunks, " blocks");
-  const auto blocks = static_cast<unsigned>(std::min(chunks, copy_blocks_cap()));
-  scatter_kernel<<<blocks, kThreads, 0, stream>>>(src_base, dst_base, ops, num_ops, chunks, boxes);
+  scatter_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream>>>(src_base, dst_base, ops, num_ops, boxes);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -4,13 +4,11 @@
 // Why: a host blocked inside NCCL never sees its deadline. Collectives queued
 // behind one that waits for a stalled peer keep NCCL's work FIFO from draining,
 // and once it is full NCCL's enqueue blocks the host. Bounding what is queued
-// keeps the host polling our deadline instead: on 2x H200 a receiver with 65
-// buckets towards a source that stopped after the agreement raised at 10.0 s of
-// a 10 s timeout ("bucket 4 of 65 could not be queued"). Not covered: the
-// first broadcasts of a kind on a communicator blocked the host inside the call
-// until the peer joined (same case, before warming the bucketed path from both
-// sources; NCCL connects lazily, NCCL_RUNTIME_CONNECT): a stall there is left
-// to torch's watchdog. Without a timeout the call stays fully asynchronous and
+// keeps the host polling our deadline instead: a receiver whose source stopped
+// after the agreement raises at its timeout ("bucket 4 of 65 could not be
+// queued"). Not covered: the first broadcasts of a kind on a communicator can
+// block the host inside the call until the peer joins (NCCL connects lazily,
+// NCCL_RUNTIME_CONNECT): a stall there is left to torch's watchdog. Without a timeout the call stays fully asynchronous and
 // a stall is left to the watchdog too.
 #pragma once
 

@@ -1,8 +1,8 @@
 // The verify hash on the GPU: one launch hashes every tensor, one block per
 // 64 KiB chunk of one tensor (a block finds its tensor by binary search in the
 // table), one atomic add per block; a second single-block launch finishes the
-// per-tensor hashes and the digest. 16k small tensors cost two launches, a
-// 15 GiB state streams at memory speed with 16-byte loads.
+// per-tensor hashes and the digest. Many small tensors cost two launches, a
+// large state streams at memory speed with 16-byte loads.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -26,7 +26,7 @@ __device__ __forceinline__ void copy_small(uint8_t* dst, const uint8_t* src, int
 // or n; called by all 32 lanes of one warp, which probe 32 entries per step.
 // A block finds its first run this way before it copies: over a bucket of a
 // thousand runs that is two rounds of reads of global memory while the block
-// waits, where a one-thread binary search was ten in a row.
+// waits, where a one-thread binary search is ten dependent reads in a row.
 template <class Pred>
 __device__ __forceinline__ int64_t warp_partition_point(int64_t n, Pred pred) {
   const int64_t lane = threadIdx.x & 31;

@@ -21,7 +21,7 @@ from dist_utils import run_ranks
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a GPU")
 
 
-def _mixed_body(rank, world_size, pinned_only=False):
+def _mixed_body(rank, world_size, pinned_only=False, refused=False):
     dev = torch.device("cuda", 0)
     g = torch.Generator().manual_seed(4)
     shapes = [(300, 1024), (7,), (256, 257), (1000,), (64, 4096), (3, 5, 7)] + [(50 + i,) for i in range(120)]
@@ -38,12 +38,12 @@ def _mixed_body(rank, world_size, pinned_only=False):
     strided_pinned = {"p2"}  # 131 KB, read element by element by the copy kernel
     if pinned_only:  # every host run pinned: p0's large runs by the copy engine, the others by the copy kernel
         kinds = [lambda v: v.pin_memory()]
-    refused = os.environ.get("COALESCED_BCAST_HOST_BATCH_REFUSE") == "1"
     if not refused:
         _mixed_loads(dev, full, expanded, kinds, strided_pinned, pinned_only, refused)
         return
     # The runtime refuses the first load's first batch: one warning (c10 logs the extension's TORCH_WARN to
     # stderr where no Python handler takes it), and the copy kernel reads every run of both loads.
+    coalesced_bcast._C._test_refuse_next_host_batch(True)
     with _stderr_kept() as logged, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _mixed_loads(dev, full, expanded, kinds, strided_pinned, pinned_only, refused)
@@ -92,51 +92,35 @@ def _mixed_loads(dev, full, expanded, kinds, strided_pinned, pinned_only, refuse
         # and the source's own scatter reads them there, casting when asked
         assert stats.direct_buckets >= 3 or pinned_only, stats
         if pinned_only:  # the host ring is only made for runs that the copy kernel does not read
-            staged = os.environ.get("COALESCED_BCAST_HOST_READ") == "stage"
-            assert (stats.host_ring_bytes > 0) == staged, stats
-            # The contiguous pinned runs of HOST_BATCH_MIN bytes up to 256 KiB (the small tensors, and the
-            # pieces of large ones that buckets cut) go up through the batched copies: with 256, some; with 0
-            # or through the host ring, none; by default (32 KiB), none or at least one such run
+            assert stats.host_ring_bytes == 0, stats
+            # The contiguous pinned runs of 32 KiB up to 256 KiB (the pieces of large tensors that buckets
+            # cut) go up through the batched copies: none or at least one such run; none once refused
             batched = stats.host_batched_bytes
             contiguous = sum(v.nbytes for k, v in sd.items() if k not in expanded and v.is_contiguous())
-            batch_min = os.environ.get("COALESCED_BCAST_HOST_BATCH_MIN")
-            if staged or batch_min == "0" or refused:
+            if refused:
                 assert batched == 0, stats
-            elif batch_min == "256":
-                assert 0 < batched <= contiguous, (stats, contiguous)
             else:
                 assert batched == 0 or 32 << 10 <= batched <= contiguous, (stats, contiguous)
 
 
-@pytest.mark.parametrize("copy_blocks", [None, "2"])
-def test_load_mixed_sources_on_one_gpu(copy_blocks, monkeypatch):
-    """copy_blocks: the copy kernels' grid capped at 2 blocks (each strides over many windows)."""
-    if copy_blocks:
-        monkeypatch.setenv("COALESCED_BCAST_COPY_BLOCKS", copy_blocks)
+def test_load_mixed_sources_on_one_gpu():
     run_ranks(1, _mixed_body, backend="nccl", timeout=200)
 
 
-@pytest.mark.parametrize("host_read", [None, "kernel", "stage", "batch", "refused"])
-def test_load_pinned_sources_on_one_gpu(host_read, monkeypatch):
+@pytest.mark.parametrize("refused", [False, True], ids=["batch", "refused"])
+def test_load_pinned_sources_on_one_gpu(refused):
     """Every source tensor pinned (contiguous and strided, small and large): the copy kernel reads the
     small and strided runs from host memory (those of 32 KiB or more, contiguous, the copy engine in batches
-    beside it), the copy engine the large ones; kernel: the copy kernel reads every small run
-    (COALESCED_BCAST_HOST_BATCH_MIN=0); batch: the contiguous runs of 256 bytes or more by the batches;
-    refused: as batch, but the runtime refuses the first batch's arguments (COALESCED_BCAST_HOST_BATCH_REFUSE):
-    one warning, and the copy kernel reads every run of both loads (a driver without the call takes the same
-    way, unwarned);
-    stage: through the host ring instead (COALESCED_BCAST_HOST_READ), the bench's A/B switches."""
-    if host_read in ("kernel", "batch", "refused"):
-        monkeypatch.setenv("COALESCED_BCAST_HOST_BATCH_MIN", "0" if host_read == "kernel" else "256")
-        if host_read == "refused":
-            monkeypatch.setenv("COALESCED_BCAST_HOST_BATCH_REFUSE", "1")
-    elif host_read:
-        monkeypatch.setenv("COALESCED_BCAST_HOST_READ", host_read)
-    run_ranks(1, _mixed_body, True, backend="nccl", timeout=200)
+    beside it), the copy engine the large ones; refused: the runtime refuses the first batch's arguments
+    (the test hook _C._test_refuse_next_host_batch): one warning, and the copy kernel reads every run of
+    both loads (a driver without the call takes the same way, unwarned)."""
+    if refused and not hasattr(coalesced_bcast._C, "_test_refuse_next_host_batch"):
+        pytest.skip("this build has no _C._test_refuse_next_host_batch test hook")
+    run_ranks(1, _mixed_body, True, refused, backend="nccl", timeout=200)
 
 
 def _load_zeroed(model, sd, switch, value, **options):
-    """A load into `model` zeroed first, with the A/B switch `switch` set to `value` (None: unset) for it alone."""
+    """A load into `model` zeroed first, with the environment switch `switch` set to `value` (None: unset) for it alone."""
     for p in model.parameters():
         p.data.zero_()
     if value is not None:
@@ -172,15 +156,15 @@ def _registered_body(rank, world_size):
         for pageable in (False, True):
             if pageable:
                 sd["sw0"] = sd["sw0"].clone()  # pageable
-            for by in (None, "cuda"):
-                stats = _load_zeroed(model, sd, "COALESCED_BCAST_PINNED_BY", by)
-                torch.cuda.synchronize()
-                for k, v in full.items():
-                    assert torch.equal(model.get_parameter(k), v), (k, pageable, by)
-                routes.append((pageable, by, stats.host_ring_bytes, stats.direct_buckets))
+            for p in model.parameters():
+                p.data.zero_()
+            stats = coalesced_bcast.load_full_state_dict(model, sd)
+            torch.cuda.synchronize()
+            for k, v in full.items():
+                assert torch.equal(model.get_parameter(k), v), (k, pageable)
+            routes.append((pageable, stats.host_ring_bytes))
         # All pinned: nothing is staged through the host ring, whichever way pinned memory is known.
-        assert [r[2] == 0 for r in routes] == [True, True, False, False], routes
-        assert routes[0][3] == routes[1][3] and routes[2][3] == routes[3][3], routes
+        assert [r[1] == 0 for r in routes] == [True, False], routes
     finally:
         cudart.cudaHostUnregister(arena.data_ptr())
 
@@ -206,15 +190,12 @@ def _flat_pinned_body(rank, world_size):
     for k, v in full.items():
         sd[k] = flat[at:at + v.numel()].copy_(v.cpu())
         at += v.numel()
-    for copies in (None, "per_run"):
-        stats = _load_zeroed(model, sd, "COALESCED_BCAST_HOST_COPIES", copies, bucket_bytes=4 << 20)
-        assert stats.host_ring_bytes == 0 and stats.buckets >= 3, stats
-        saved = flat.clone()
-        flat.fill_(0)  # the load is done with the source once it returns
-        torch.cuda.synchronize()
-        for k, v in full.items():
-            assert torch.equal(model.get_parameter(k), v), (k, copies)
-        flat.copy_(saved)
+    stats = coalesced_bcast.load_full_state_dict(model, sd, bucket_bytes=4 << 20)
+    assert stats.host_ring_bytes == 0 and stats.buckets >= 3, stats
+    flat.fill_(0)  # the load is done with the source once it returns
+    torch.cuda.synchronize()
+    for k, v in full.items():
+        assert torch.equal(model.get_parameter(k), v), k
 
 
 def test_load_from_views_of_one_pinned_buffer():
@@ -235,7 +216,7 @@ def _int16_weights(seed, count, numel):
 
 def _overwrite_after_return_body(rank, world_size):
     # Large contiguous pinned tensors only: every run goes up by the copy engine straight from the caller's
-    # memory (no host ring, no kernel reads), ~10 ms of copies on an H200.
+    # memory (no host ring, no kernel reads), copies long enough that a read after the call returned would show.
     full, model = _int16_weights(9, 2, 128 << 20)
     sd = {k: v.cpu().pin_memory() for k, v in full.items()}
     torch.cuda.synchronize()
@@ -603,12 +584,7 @@ def offloaded_load_body(rank, world_size):
             assert stats.cast_keys == (len(full) - 1 if dtype != torch.float32 else 0), stats
 
 
-@pytest.mark.parametrize("host_writes", [None, "kernel"])
-def test_load_into_fsdp2_cpu_offload(host_writes, monkeypatch):
-    """host_writes=kernel: every run into host memory by the scatter kernel (COALESCED_BCAST_HOST_WRITES,
-    the bench's A/B switch), none by the copy engine."""
-    if host_writes:
-        monkeypatch.setenv("COALESCED_BCAST_HOST_WRITES", host_writes)
+def test_load_into_fsdp2_cpu_offload():
     run_ranks(1, offloaded_load_body, backend="nccl", timeout=200)
 
 

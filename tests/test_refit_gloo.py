@@ -300,38 +300,33 @@ def _direct_body(rank, world_size, direct):
     """Direct buckets: a bucket whose bytes lie back to back in one storage on a rank is sent from or
     received into that memory (no slot, no copy there), decided by each rank alone. The sender and engine 1
     hold the state in one buffer (every bucket direct but those with padding: model.odd is 60 bytes),
-    engine 2 as separate tensors (direct only where a bucket lies inside one tensor: lm_head spans several)."""
-    import os
+    engine 2 as separate tensors (direct only where a bucket lies inside one tensor: lm_head spans several).
+    direct=False: every bucket through the ring on every rank."""
     refit = dist.new_group([0, 1, 2])
-    if not direct:
-        os.environ["COALESCED_BCAST_DIRECT"] = "0"
-    try:
-        state = _full_state(3)
-        if rank == 0:
-            mine = _in_one_buffer(state)
-            side = RefitSender(mine, refit, bucket_bytes=4096)
-        else:
-            mine = _in_one_buffer({k: torch.zeros_like(v) for k, v in state.items()}) if rank == 1 else \
-                {k: torch.zeros_like(v) for k, v in state.items()}
-            side = RefitReceiver(refit, tensors=mine)
-        for step in (3, 4):  # the second run reuses the plans
-            if rank == 0 and step == 4:
-                for k, v in _full_state(4).items():
-                    mine[k].copy_(v)
-            stats = side.send(verify=True) if rank == 0 else side.receive()
-            assert stats.planned is (step == 3)
-            if rank > 0:
-                assert all(same_bits(v, _full_state(step)[k]) for k, v in mine.items()), (rank, step)
-            counts = [None] * 3
-            dist.all_gather_object(counts, (stats.direct_buckets, stats.buckets))
-            if not direct:
-                assert all(d == 0 for d, _ in counts), counts
-                continue
-            (d0, n), (d1, _), (d2, _) = counts
-            assert 0 < d0 < n and d1 == d0, counts  # the same layout: the same buckets direct on both
-            assert 3 <= d2 < d1, counts  # lm_head's inner buckets
-    finally:
-        os.environ.pop("COALESCED_BCAST_DIRECT", None)
+    state = _full_state(3)
+    if rank == 0:
+        mine = _in_one_buffer(state)
+        side = RefitSender(mine, refit, bucket_bytes=4096, direct=direct)
+    else:
+        mine = _in_one_buffer({k: torch.zeros_like(v) for k, v in state.items()}) if rank == 1 else \
+            {k: torch.zeros_like(v) for k, v in state.items()}
+        side = RefitReceiver(refit, tensors=mine, direct=direct)
+    for step in (3, 4):  # the second run reuses the plans
+        if rank == 0 and step == 4:
+            for k, v in _full_state(4).items():
+                mine[k].copy_(v)
+        stats = side.send(verify=True) if rank == 0 else side.receive()
+        assert stats.planned is (step == 3)
+        if rank > 0:
+            assert all(same_bits(v, _full_state(step)[k]) for k, v in mine.items()), (rank, step)
+        counts = [None] * 3
+        dist.all_gather_object(counts, (stats.direct_buckets, stats.buckets))
+        if not direct:
+            assert all(d == 0 for d, _ in counts), counts
+            continue
+        (d0, n), (d1, _), (d2, _) = counts
+        assert 0 < d0 < n and d1 == d0, counts  # the same layout: the same buckets direct on both
+        assert 3 <= d2 < d1, counts  # lm_head's inner buckets
     dist.barrier()
 
 

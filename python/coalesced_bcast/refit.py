@@ -70,13 +70,17 @@ class RefitSender:
       floating-point tensor to it (fp32 master weights to bf16); a callable ``(name, tensor) -> dtype``
       decides per tensor. Casts happen in the pack kernel, as torch's own ``copy_`` casts.
     bucket_bytes, ring_depth: the ring (``DEFAULT_REFIT_*``); the receivers follow the sender's bucket size.
+    direct: a bucket whose bytes already lie back to back in one storage of the sending rank is broadcast
+      from that memory, with no copy into the ring (True, the default); False sends every bucket through
+      the ring, never from the tensors' own memory.
     """
 
     def __init__(self, named_tensors: Union[nn.Module, Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]],
                  refit_group: Optional[dist.ProcessGroup], *, src: int = 0, sender_rank: int = 0,
                  trainer_group: Optional[dist.ProcessGroup] = None,
                  dtype: Union[None, torch.dtype, Callable[[str, torch.Tensor], torch.dtype]] = None,
-                 bucket_bytes: int = DEFAULT_REFIT_BUCKET_BYTES, ring_depth: int = DEFAULT_REFIT_RING_DEPTH):
+                 bucket_bytes: int = DEFAULT_REFIT_BUCKET_BYTES, ring_depth: int = DEFAULT_REFIT_RING_DEPTH,
+                 direct: bool = True):
         self._module = named_tensors if isinstance(named_tensors, nn.Module) else None
         self._slots: Optional[tuple] = None  # a module's (owners, keys, parameters): checked on every send
         if self._module is not None:
@@ -87,7 +91,7 @@ class RefitSender:
             self._tensors = [t for _, t in items]
         self.refit_group, self.src, self.sender_rank = refit_group, src, sender_rank
         self._trainer_arg, self._dtype = trainer_group, dtype
-        self.bucket_bytes, self.ring_depth = bucket_bytes, ring_depth
+        self.bucket_bytes, self.ring_depth, self.direct = bucket_bytes, ring_depth, bool(direct)
         self._sends = 0
         self._build()
 
@@ -187,7 +191,7 @@ class RefitSender:
         # Tensors this rank holds no part of go in as undefined: the plan reads none of them.
         sender = self.sender_rank if self.trainer_group is not None else 0  # with no trainer group: this rank
         self._plan = _C.refit_plan(self.units, locals_, modes, rank, world, sender, self.bucket_bytes,
-                                   self.ring_depth, rank, device, self.names)
+                                   self.ring_depth, rank, device, self.names, direct=self.direct)
 
     # -- the step ------------------------------------------------------------------------------------
 
@@ -313,18 +317,22 @@ class RefitReceiver:
     name_map: the sender's name -> this side's name (a callable or a mapping); None (or a name that maps
       to None) keeps the sender's name. With `tensors`, every sent name must find a tensor unless it
       maps to None (then it is not written).
+    direct: with `tensors`, a bucket whose bytes lie back to back in one of them is received straight into
+      it, with no copy out of the ring (True, the default); False receives every bucket into the ring,
+      never into the tensors' own memory.
     """
 
     def __init__(self, refit_group: dist.ProcessGroup, *, src: int = 0,
                  tensors: Optional[Mapping[str, torch.Tensor]] = None,
                  on_weights: Optional[Callable[[RefitBatch], None]] = None,
                  name_map: Union[None, Mapping[str, Optional[str]], Callable[[str], Optional[str]]] = None,
-                 ring_depth: int = DEFAULT_REFIT_RING_DEPTH, device: Optional[torch.device] = None):
+                 ring_depth: int = DEFAULT_REFIT_RING_DEPTH, device: Optional[torch.device] = None,
+                 direct: bool = True):
         if (tensors is None) == (on_weights is None):
             raise ValueError("RefitReceiver takes tensors (written in place) or on_weights (a callback), one of them")
         self.refit_group, self.src = refit_group, src
         self._tensors, self._on_weights, self._name_map = tensors, on_weights, name_map
-        self.ring_depth = ring_depth
+        self.ring_depth, self.direct = ring_depth, bool(direct)
         if device is None:
             first = next(iter(tensors.values()), None) if tensors else None
             device = first.device if first is not None else (
@@ -373,7 +381,7 @@ class RefitReceiver:
                     dest_keys.append(key)
                     dest_rows.append([i] + [0] * 8)
             self._plan = _C.load_plan(units, [], dests, _int64_table(dest_rows, 9), bucket_bytes, self.ring_depth,
-                                      rank, 1, self.device, whole_units=True, kept=True)
+                                      rank, 1, self.device, whole_units=True, kept=True, direct=self.direct)
         except (TypeError, ValueError, RuntimeError) as e:
             return str(e)
         self._meta = meta
