@@ -119,16 +119,11 @@ def test_load_pinned_sources_on_one_gpu(refused):
     run_ranks(1, _mixed_body, True, refused, backend="nccl", timeout=200)
 
 
-def _load_zeroed(model, sd, switch, value, **options):
-    """A load into `model` zeroed first, with the environment switch `switch` set to `value` (None: unset) for it alone."""
+def _load_zeroed(model, sd, **options):
+    """A load into `model` zeroed first."""
     for p in model.parameters():
         p.data.zero_()
-    if value is not None:
-        os.environ[switch] = value
-    try:
-        return coalesced_bcast.load_full_state_dict(model, sd, **options)
-    finally:
-        os.environ.pop(switch, None)
+    return coalesced_bcast.load_full_state_dict(model, sd, **options)
 
 
 def _registered_body(rank, world_size):
@@ -248,9 +243,6 @@ def _hooks_beside_copies_body(rank, world_size):
         torch.cuda._sleep(2_000_000_000)
     coalesced_bcast.load_full_state_dict(model, sd)
     assert seen == [False], f"the post-hook ran after the copies were done ({seen}): the host waited for them first"
-    if os.environ.get("COALESCED_BCAST_PREPACK") == "0":  # (a prepack's lane also holds the load's table upload,
-        # queued after the copies it waits for): below, the sources overwritten at once tell the same for both
-        assert lane.query(), "the load returned before the copies of the source's host memory were done"
     for v in sd.values():
         v.fill_(0)
     torch.cuda.synchronize()
@@ -258,12 +250,10 @@ def _hooks_beside_copies_body(rank, world_size):
         assert torch.equal(getattr(model, k), v), f"'{k}' differs"
 
 
-@pytest.mark.parametrize("prepack", ["0", None], ids=["plain", "prepack"])
-def test_load_post_hooks_run_while_the_host_copies_do(prepack, monkeypatch):
-    """The source's host does the load's post-hooks while its copies of host memory are still running, and
-    waits for those copies before it returns; with a prepack too, whose copies queue behind the busy lane."""
-    if prepack is not None:
-        monkeypatch.setenv("COALESCED_BCAST_PREPACK", prepack)
+def test_load_post_hooks_run_while_the_host_copies_do():
+    """The source's host does the load's post-hooks while its copies of host memory are still running (a
+    prepack's copies queue behind the busy lane), and waits for those copies before it returns: the sources
+    overwritten at once leave the model bitwise equal to them."""
     run_ranks(1, _hooks_beside_copies_body, backend="nccl", timeout=200)
 
 
@@ -346,21 +336,20 @@ def _prepack_body(rank, world_size):
     def backwards(table, canon, rows, *args):  # the units in another order than the load's: not taken
         return prepack_load(table, canon, torch.arange(table.size(0) - 1, -1, -1), *args)
 
-    cases = ((pinned, 2, None, None), (pageable, 2, "1", None), (sorted_keys, 2, None, None),
-             (pinned, 0, None, backwards), (pinned, 0, "0", None))
-    for sd, want, switch, patch in cases:
+    cases = ((pinned, 2, None), (pageable, 2, None), (sorted_keys, 2, None), (pinned, 0, backwards))
+    for sd, want, patch in cases:
         _C.prepack_load = patch or prepack_load
         try:
             for _ in range(2):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(dev)
                 base = torch.cuda.memory_allocated(dev)
-                stats = _load_zeroed(model, sd, "COALESCED_BCAST_PREPACK", switch, bucket_bytes=1 << 20)
+                stats = _load_zeroed(model, sd, bucket_bytes=1 << 20)
                 torch.cuda.synchronize()
                 extra = torch.cuda.max_memory_allocated(dev) - base
                 for k, v in full.items():
-                    assert torch.equal(model.get_parameter(k), v), (k, want, switch, patch)
-                assert stats.buckets > 4 and stats.prepacked_buckets == want, (stats, want, switch, patch)
+                    assert torch.equal(model.get_parameter(k), v), (k, want, patch)
+                assert stats.buckets > 4 and stats.prepacked_buckets == want, (stats, want, patch)
                 assert (stats.host_ring_bytes > 0) == (sd is pageable), stats  # a prepack's staging counted too
                 # the ring (2 x 1 MiB) and its tables: a prepack's ring is the load's, never a second one beside it
                 assert extra < 2 * (2 << 20), (extra, stats)
@@ -374,13 +363,12 @@ def test_load_source_packs_its_first_buckets_while_it_plans():
     into its ring before its plan is made (csrc/prepack.cpp), in the model's key order whatever the checkpoint's,
     a tied tensor once; the load's ring is that one where the plan packs them the same way, and where it does not
     (a prepack in another order) it is dropped before the load makes its own: bitwise either way, one ring at a
-    time; with COALESCED_BCAST_PREPACK=0, nothing is prepacked."""
+    time."""
     run_ranks(1, _prepack_body, backend="nccl", timeout=200)
 
 
-def _wrong_device_source_body(rank, world_size, early):
+def _wrong_device_source_body(rank, world_size):
     import coalesced_bcast.state_dict as load_module
-    load_module._EARLY_DESCRIBE = early  # the source's tensors described beside the model's state, or after it
     model = nn.Module()
     model.a = nn.Parameter(torch.zeros(6))
     model.b = nn.Parameter(torch.zeros(4))
@@ -399,11 +387,10 @@ def _wrong_device_source_body(rank, world_size, early):
     assert torch.equal(model.a, torch.arange(6.0)) and torch.equal(model.c, torch.arange(4.0))
 
 
-@pytest.mark.parametrize("early", [True, False], ids=["early", "after"])
-def test_load_source_on_another_device_than_the_model_is_refused(early):
-    """A source tensor on a device the model is not on is refused, naming its keys, whether the source described
-    its tensors beside reading the model's state (the device checked after) or after it; then the load goes."""
-    run_ranks(1, _wrong_device_source_body, early, backend="gloo", timeout=120)
+def test_load_source_on_another_device_than_the_model_is_refused():
+    """A source tensor on a device the model is not on is refused, naming its keys (the source describes its
+    tensors beside reading the model's state: the device is checked after); then the load goes."""
+    run_ranks(1, _wrong_device_source_body, backend="gloo", timeout=120)
 
 
 def _busy_copy_lane_body(rank, world_size):
