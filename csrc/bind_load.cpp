@@ -74,7 +74,7 @@ void bind_load_plans(py::module_& m) {
         TORCH_CHECK_VALUE(capacity >= 0, "capacity must be at least 0, got ", capacity);
         auto feed = std::make_shared<DestFeed>(capacity);
         // A TensorList's tensors are read in place, copied on the thread (they stay the caller's, for the
-        // plan made as before where this one is not used); a list's are converted here.
+        // plan the caller makes where this one is not used); a list's are converted here.
         const bool in_place = py::isinstance<TensorList>(sources);
         const std::vector<at::Tensor>* view = in_place ? &sources.cast<TensorList&>().tensors : nullptr;
         std::vector<at::Tensor> converted = in_place ? std::vector<at::Tensor>{} : tensors_from(sources, "item");

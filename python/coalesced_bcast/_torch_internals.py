@@ -179,7 +179,7 @@ INTERNALS = (
     Internal(FSDP_INFO_MODULE, "fsdp_module_info", "module"),
     Internal(FSDP_INFO_PARAM_NAME, "fsdp_module_info", "str"),
     Internal(PG_GET_BACKEND, "process_group", "callable"),
-    Internal(PG_DEVICE_TYPES, "process_group", "list"),
+    Internal(PG_DEVICE_TYPES, "process_group", "list", optional=True),
     Internal(BACKEND_OPTIONS_TIMEOUT, "gloo_options", "timedelta", optional=True),
     Internal(NCCL_SET_DEFAULT_TIMEOUT, "nccl_class", "callable", optional=True),
     Internal(C10D_GROUP_STORE, C10D, "callable"),
