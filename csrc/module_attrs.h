@@ -1,7 +1,10 @@
-// module_attrs: reading nn.Module objects from C++ (module_walk, post_hooks):
-// the attribute names, interned once (a name made per read costs its hashing),
-// and reads that treat anything unexpected as "not a module as we know it"
-// (the caller then falls back to Python or judges conservatively).
+// module_attrs: reading torch's Python objects (nn.Module, DTensor, FSDP2's
+// parameters) from C++ through public CPython calls only. The names of torch's
+// private attributes are not spelled here: python/coalesced_bcast/_torch_internals.py
+// names them and hands them over once (set_torch_names), and each is interned
+// then, so that a read costs no hashing of a name made per call. Reads treat
+// anything unexpected as "not an object as we know it" (the caller then falls
+// back to Python or judges conservatively).
 #pragma once
 
 #include <torch/extension.h>
@@ -10,28 +13,55 @@ namespace coalesced_bcast {
 
 namespace py = pybind11;
 
-struct ModuleAttrs {
-  PyObject* modules;
-  PyObject* parameters;
-  PyObject* buffers;
-  PyObject* get_extra_state;
-  PyObject* load_post_hooks;  // _load_state_dict_post_hooks
-  PyObject* load_pre_hooks;   // _load_state_dict_pre_hooks
-  PyObject* load_from_state_dict;  // _load_from_state_dict
-  PyObject* module_name;      // __module__
+// Interned attribute names (new references, kept for the process's life).
+struct TorchNames {
+  // nn.Module
+  PyObject* modules = nullptr;               // its children dict
+  PyObject* parameters = nullptr;            // its parameters dict
+  PyObject* buffers = nullptr;               // its buffers dict
+  PyObject* load_pre_hooks = nullptr;        // its load_state_dict pre-hooks dict
+  PyObject* load_post_hooks = nullptr;       // its load_state_dict post-hooks dict
+  PyObject* load_from_state_dict = nullptr;  // the method load_state_dict calls per module
+  // DTensor and its spec
+  PyObject* local_tensor = nullptr;
+  PyObject* spec = nullptr;
+  PyObject* spec_mesh = nullptr;
+  PyObject* spec_placements = nullptr;
+  // FSDP2's per-parameter object (FSDPParam) and its module info
+  PyObject* fsdp_sharded_param = nullptr;
+  PyObject* fsdp_sharded_param_data = nullptr;
+  PyObject* fsdp_module_info = nullptr;
+  PyObject* fsdp_pin_memory = nullptr;
+  PyObject* fsdp_info_module = nullptr;
+  PyObject* fsdp_info_param_name = nullptr;
+  std::string fsdp_param_type;           // the FSDPParam class's name
+  std::string fsdp_param_module_suffix;  // how the module defining FSDP2's post-hook ends
+  // Public names, interned here
+  PyObject* get_extra_state = nullptr;
+  PyObject* module_name = nullptr;  // __module__
+  PyObject* dim = nullptr;          // Shard(d).dim
+  PyObject* shape = nullptr;        // DeviceMesh.shape
 };
 
-// Made under the GIL, on first use.
-const ModuleAttrs& module_attrs();
+// Takes the adapter's {role: name} map; raises ValueError naming a role it lacks.
+void set_torch_names(const py::dict& names);
+
+// The names, under the GIL; where none were handed over yet, imports the adapter
+// (whose import hands them over) first.
+const TorchNames& torch_names();
 
 // obj.name as a new reference, or empty with the error cleared.
 py::object attr_or_empty(PyObject* obj, PyObject* name);
 
-// m.name as a new reference if it is a dict, else empty (any error cleared).
+// obj.name as a new reference; raises the attribute's error.
+py::object attr_or_raise(PyObject* obj, PyObject* name);
+
+// m.name as a new reference if it is a dict (with `mappings`, also any other
+// object with .items(), which for_items reads), else empty (any error cleared).
 // Read from `own`, the instance's __dict__ (may be null), where nn.Module
 // keeps its dicts (getattr on a module goes through the type's __getattr__
 // hook); getattr where it is not there.
-py::object dict_attr(PyObject* m, PyObject* own, PyObject* name);
+py::object dict_attr(PyObject* m, PyObject* own, PyObject* name, bool mappings = false);
 
 // fn(key, value) over d's items in the order .items() gives them, as torch's
 // walks read them: a plain dict by PyDict_Next; a subclass (torch before 2.5

@@ -13,19 +13,20 @@ namespace coalesced_bcast {
 namespace {
 
 // A module's three dicts, read through its __dict__ once; false where one is
-// not a dict. Its children are prefetched: siblings' misses overlap.
+// not a dict (with `mappings`, not a mapping with .items()). Its children are
+// prefetched: siblings' misses overlap.
 struct ModuleDicts {
   py::object children, parameters, buffers;
 };
 
-// pre_hooks: where given, the module's _load_state_dict_pre_hooks too (empty where it has no such dict).
-bool read_module(PyObject* m, ModuleDicts& out, py::object* pre_hooks = nullptr) {
-  const auto& a = module_attrs();
+// pre_hooks: where given, the module's load pre-hooks too (empty where it has no such mapping).
+bool read_module(PyObject* m, ModuleDicts& out, py::object* pre_hooks = nullptr, bool mappings = false) {
+  const auto& a = torch_names();
   py::object own = py::reinterpret_steal<py::object>(PyObject_GenericGetDict(m, nullptr));
   if (!own) PyErr_Clear();
-  out = {dict_attr(m, own.ptr(), a.modules), dict_attr(m, own.ptr(), a.parameters),
-         dict_attr(m, own.ptr(), a.buffers)};
-  if (pre_hooks != nullptr) *pre_hooks = dict_attr(m, own.ptr(), a.load_pre_hooks);
+  out = {dict_attr(m, own.ptr(), a.modules, mappings), dict_attr(m, own.ptr(), a.parameters, mappings),
+         dict_attr(m, own.ptr(), a.buffers, mappings)};
+  if (pre_hooks != nullptr) *pre_hooks = dict_attr(m, own.ptr(), a.load_pre_hooks, mappings);
   if (!out.children || !out.parameters || !out.buffers) return false;
   if (PyDict_CheckExact(out.children.ptr())) {
     Py_ssize_t pos = 0;
@@ -46,18 +47,9 @@ bool preorder(PyObject* m, bool dedupe, std::unordered_set<PyObject*>& memo, std
   });
 }
 
-// A dict's object and the start of its keys table (a module's are small: their
-// entries lie there), so that the pass below does not wait on each in turn.
+// How many dicts ahead the pass below asks for a dict's lines, so that it does
+// not wait on each in turn.
 constexpr size_t kAhead = 8;
-void prefetch_dict(PyObject* d, bool keys) {
-  if (!keys) {
-    prefetch_object(d);
-    return;
-  }
-  const auto* k = reinterpret_cast<const char*>(reinterpret_cast<PyDictObject*>(d)->ma_keys);
-  __builtin_prefetch(k);
-  __builtin_prefetch(k + 64);
-}
 
 struct LoadWalk {
   PyObject* base;
@@ -86,7 +78,7 @@ struct LoadWalk {
   bool own_loader(PyObject* m) {
     auto [it, fresh] = own_loaders.try_emplace(Py_TYPE(m), false);
     if (fresh) {
-      const auto& a = module_attrs();
+      const auto& a = torch_names();
       py::object f = attr_or_empty(reinterpret_cast<PyObject*>(Py_TYPE(m)), a.load_from_state_dict);
       py::object where = f ? attr_or_empty(f.ptr(), a.module_name) : py::object();
       const char* s = where && PyUnicode_Check(where.ptr()) ? PyUnicode_AsUTF8(where.ptr()) : nullptr;
@@ -99,7 +91,7 @@ struct LoadWalk {
   bool overridden(PyObject* m) {
     auto [it, fresh] = overrides.try_emplace(Py_TYPE(m), false);
     if (fresh) {
-      PyObject* f = PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(m)), module_attrs().get_extra_state);
+      PyObject* f = PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(m)), torch_names().get_extra_state);
       if (f == nullptr) PyErr_Clear();
       it->second = f != nullptr && f != base;
       Py_XDECREF(f);
@@ -117,10 +109,12 @@ struct LoadWalk {
   bool walk(PyObject* m) {
     ModuleDicts d;
     py::object pre_hooks;
-    if (!read_module(m, d, &pre_hooks)) return false;
+    if (!read_module(m, d, &pre_hooks, /*mappings=*/true)) return false;
     if (!add_ids(d.parameters.ptr()) || !add_ids(d.buffers.ptr())) return false;
     if (overridden(m)) extra[py::str(prefix() + extra_key)] = py::handle(m);
-    if ((pre_hooks && PyDict_Size(pre_hooks.ptr()) > 0) || own_loader(m)) {
+    const int has_pre_hooks = pre_hooks ? PyObject_IsTrue(pre_hooks.ptr()) : 0;
+    if (has_pre_hooks < 0) throw py::error_already_set();
+    if (has_pre_hooks > 0 || own_loader(m)) {
       custom.append(py::make_tuple(py::str(prefix()), py::handle(m)));
     }
     return for_items(d.children.ptr(), [&](PyObject* key, PyObject* child) {
@@ -151,8 +145,7 @@ py::object module_slots(const py::handle& module, bool include_buffers, bool ded
   for (int kind = 0; kind < (include_buffers ? 2 : 1); ++kind) {
     auto dict_of = [&](size_t i) { return (kind == 0 ? mods[i].parameters : mods[i].buffers).ptr(); };
     for (size_t i = 0; i < mods.size(); ++i) {
-      if (i + 2 * kAhead < mods.size()) prefetch_dict(dict_of(i + 2 * kAhead), false);
-      if (i + kAhead < mods.size()) prefetch_dict(dict_of(i + kAhead), true);
+      if (i + kAhead < mods.size()) prefetch_object(dict_of(i + kAhead));
       PyObject* d = dict_of(i);
       const bool read = for_items(d, [&](PyObject* key, PyObject* value) {
         if (value == Py_None || (dedupe && !seen.insert(value).second)) return true;

@@ -28,8 +28,9 @@ py::object module_slots(const py::handle& module, bool include_buffers, bool ded
 // module whose type's get_extra_state is not `base` ("<path>._extra_state" ->
 // module), owned the ids of the tree's parameters and buffers, an IdSet, and
 // custom the (prefix, module) of each module with load pre-hooks or a
-// _load_from_state_dict not defined in torch (state_dict.py _walk_modules,
-// which walks in Python where this returns None).
+// _load_from_state_dict not defined in torch (state_dict.py _walk_modules).
+// A module's dicts may be any mapping with .items() (read through it); None
+// where one is missing or is not such a mapping.
 py::object load_walk(const py::handle& module, const py::handle& base, const std::string& extra_key);
 
 }  // namespace coalesced_bcast

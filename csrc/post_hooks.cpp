@@ -1,6 +1,7 @@
-// FSDP2 registers a post-hook per parameter: at 16k parameters, judged in
-// Python, ~2.4 us each (40 ms of a 150 ms load on one H200). The rules are
-// those of idle_fsdp_hook in post_hooks.h.
+// FSDP2 registers a post-hook per parameter, so a large model has as many
+// hooks as parameters; judged here in one pass, not in Python. The rules are
+// those of idle_fsdp_hook in post_hooks.h; FSDP2's attribute names come from
+// the adapter (module_attrs.h).
 #include "post_hooks.h"
 
 #include <torch/csrc/autograd/python_variable.h>
@@ -18,23 +19,7 @@
 namespace coalesced_bcast {
 namespace {
 
-// FSDP2's attribute names, interned once (a name made per read costs its hashing).
-struct FsdpNames {
-  PyObject* module_info = PyUnicode_InternFromString("_module_info");
-  PyObject* sharded_param = PyUnicode_InternFromString("sharded_param");
-  PyObject* module = PyUnicode_InternFromString("module");
-  PyObject* param_name = PyUnicode_InternFromString("param_name");
-  PyObject* param_data = PyUnicode_InternFromString("_sharded_param_data");
-  PyObject* local_tensor = PyUnicode_InternFromString("_local_tensor");
-  PyObject* pin_memory = PyUnicode_InternFromString("pin_memory");
-};
-
-const FsdpNames& names() {
-  static const FsdpNames n;  // made under the GIL, on first use
-  return n;
-}
-
-bool ends_with(PyObject* str, const char* tail) {
+bool ends_with(PyObject* str, const std::string& tail) {
   if (str == nullptr || !PyUnicode_Check(str)) return false;
   Py_ssize_t len = 0;
   const char* s = PyUnicode_AsUTF8AndSize(str, &len);
@@ -42,8 +27,8 @@ bool ends_with(PyObject* str, const char* tail) {
     PyErr_Clear();
     return false;
   }
-  const auto n = static_cast<Py_ssize_t>(std::strlen(tail));
-  return len >= n && std::memcmp(s + len - n, tail, n) == 0;
+  const auto n = static_cast<Py_ssize_t>(tail.size());
+  return len >= n && std::memcmp(s + len - n, tail.data(), n) == 0;
 }
 
 // What one of FSDP2's hooks reads: hook -> closure -> cell -> FSDPParam -> its
@@ -56,9 +41,9 @@ struct Chain {
 };
 
 // Whether m's hook, fetched as c, is idle (the rules of idle_fsdp_hook).
-// params: m._parameters (borrowed; may be null).
+// params: m's parameters dict (borrowed; may be null).
 bool idle(PyObject* m, PyObject* params, PyObject* hook, const Chain& c) {
-  if (!ends_with(PyFunction_GET_MODULE(hook), "._fsdp_param")) return false;
+  if (!ends_with(PyFunction_GET_MODULE(hook), torch_names().fsdp_param_module_suffix)) return false;
   if (c.owner.ptr() != m || params == nullptr || !PyDict_Check(params)) return false;
   PyObject* held = PyDict_GetItemWithError(params, c.pname.ptr());  // borrowed
   if (held == nullptr) {
@@ -80,9 +65,8 @@ bool idle(PyObject* m, PyObject* params, PyObject* hook, const Chain& c) {
     const at::Tensor& shard = THPVariable_Unpack(c.local.ptr());
     const at::Tensor& padded = THPVariable_Unpack(c.data.ptr());
     // The shard starts the padded storage: one StorageImpl, one first byte, read
-    // from the two TensorImpls (their data pointers would cost a cold line more
-    // each, the StorageImpl's: at 16k hooks a tenth of the judgment). An empty or
-    // meta shard is not judged idle.
+    // from the two TensorImpls (their data pointers would touch each StorageImpl
+    // too, a cold line more per hook). An empty or meta shard is not judged idle.
     if (!shard.has_storage() || !padded.has_storage() || shard.is_meta() || shard.numel() == 0) return false;
     if (shard.storage().unsafeGetStorageImpl() != padded.storage().unsafeGetStorageImpl() ||
         shard.storage_offset() * static_cast<int64_t>(shard.dtype().itemsize()) !=
@@ -99,10 +83,9 @@ bool idle(PyObject* m, PyObject* params, PyObject* hook, const Chain& c) {
 // module reached twice is visited twice, as there. False where a module cannot
 // be read as one. A module's hooks are read from its dict of them directly,
 // also where that is an OrderedDict (torch's): the verdict is over all of them,
-// whatever their order, and an OrderedDict's iterator looks each key up twice
-// (at 16k hooks on one module, a third of the judgment on the CPU machine).
+// whatever their order, and an OrderedDict's iterator looks each key up twice.
 bool collect(PyObject* m, std::vector<std::pair<PyObject*, py::object>>& out) {
-  const auto& a = module_attrs();
+  const auto& a = torch_names();
   py::object children = attr_or_empty(m, a.modules), hooks = attr_or_empty(m, a.load_post_hooks);
   if (!children || !PyDict_Check(children.ptr()) || !hooks || !PyDict_Check(hooks.ptr())) return false;
   const auto child_hooks = [&](PyObject*, PyObject* child) { return child == Py_None || collect(child, out); };
@@ -122,13 +105,13 @@ constexpr size_t kGroup = 16;
 
 // The hooks judged kGroup at a time, one hop of the chain per pass over the
 // group, each pass prefetching what the next reads, so that a group's cache
-// misses overlap: after a load of 16k parameters their FSDPParams, DTensors
-// and tensors are cold, and one chain at a time waits on memory at every hop
-// (on the CPU machine 1.6 us a hook that way, 0.9 us so). Hooks [begin, end).
+// misses overlap: after a large load the FSDPParams, DTensors and tensors are
+// cold, and one chain at a time would wait on memory at every hop. Hooks
+// [begin, end).
 bool all_judged_idle(const std::vector<std::pair<PyObject*, py::object>>& hooks, size_t begin, size_t end) {
-  const auto& nm = names();
+  const auto& nm = torch_names();
   PyObject* last_module = nullptr;
-  py::object params;  // last_module's _parameters: a module's hooks are consecutive
+  py::object params;  // last_module's parameters dict: a module's hooks are consecutive
   Chain c[kGroup];
   PyObject* obj[kGroup];
   for (size_t g0 = begin; g0 < end; g0 += kGroup) {
@@ -143,22 +126,22 @@ bool all_judged_idle(const std::vector<std::pair<PyObject*, py::object>>& hooks,
     for (size_t b = 0; b < g; ++b) __builtin_prefetch(obj[b] = PyTuple_GET_ITEM(obj[b], 0));  // -> cells
     for (size_t b = 0; b < g; ++b) {  // -> FSDPParams
       PyObject* fp = PyCell_Check(obj[b]) ? PyCell_GET(obj[b]) : nullptr;
-      if (fp == nullptr || std::strcmp(Py_TYPE(fp)->tp_name, "FSDPParam") != 0) return false;
+      if (fp == nullptr || nm.fsdp_param_type != Py_TYPE(fp)->tp_name) return false;
       prefetch_object(c[b].fp = fp);
     }
     for (size_t b = 0; b < g; ++b) {  // -> their parameters, padded storage, module info and pin flag
-      c[b].param = attr_or_empty(c[b].fp, nm.sharded_param);
-      c[b].data = attr_or_empty(c[b].fp, nm.param_data);
-      c[b].info = attr_or_empty(c[b].fp, nm.module_info);
-      c[b].pin = attr_or_empty(c[b].fp, nm.pin_memory);
+      c[b].param = attr_or_empty(c[b].fp, nm.fsdp_sharded_param);
+      c[b].data = attr_or_empty(c[b].fp, nm.fsdp_sharded_param_data);
+      c[b].info = attr_or_empty(c[b].fp, nm.fsdp_module_info);
+      c[b].pin = attr_or_empty(c[b].fp, nm.fsdp_pin_memory);
       if (!c[b].param || !c[b].data || !c[b].info || !c[b].pin) return false;
       prefetch_object(c[b].param.ptr());
       prefetch_object(c[b].data.ptr());
       prefetch_object(c[b].info.ptr());
     }
     for (size_t b = 0; b < g; ++b) {  // -> the module, the parameter's name, the TensorImpls
-      c[b].owner = attr_or_empty(c[b].info.ptr(), nm.module);
-      c[b].pname = attr_or_empty(c[b].info.ptr(), nm.param_name);
+      c[b].owner = attr_or_empty(c[b].info.ptr(), nm.fsdp_info_module);
+      c[b].pname = attr_or_empty(c[b].info.ptr(), nm.fsdp_info_param_name);
       c[b].local = attr_or_empty(c[b].param.ptr(), nm.local_tensor);
       if (!c[b].owner || !c[b].pname || !c[b].local) return false;
       __builtin_prefetch(c[b].pname.ptr());  // its hash, for the module's _parameters
@@ -168,7 +151,7 @@ bool all_judged_idle(const std::vector<std::pair<PyObject*, py::object>>& hooks,
     for (size_t b = 0; b < g; ++b) {
       PyObject* m = hooks[g0 + b].first;
       if (m != last_module) {
-        params = attr_or_empty(m, module_attrs().parameters);
+        params = attr_or_empty(m, nm.parameters);
         last_module = m;
       }
       if (!idle(m, params.ptr(), hooks[g0 + b].second.ptr(), c[b])) return false;

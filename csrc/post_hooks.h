@@ -14,9 +14,9 @@ namespace coalesced_bcast {
 namespace py = pybind11;
 
 // Whether `hook`, registered on `module`, is FSDP2's and would do nothing after
-// an in-place load: a function of fsdp's _fsdp_param module over an FSDPParam
-// (it calls reset_sharded_param, which re-pads a local shard that `assign` or
-// `_apply` replaced) where the module still holds that FSDPParam's parameter,
+// an in-place load: a function of FSDP2's parameter module over its parameter
+// object (it re-pads a local shard that `assign` or `_apply` replaced) where
+// the module still holds that object's parameter,
 // whose local shard still starts FSDP2's padded storage and is pinned where
 // FSDP2 pins. Anything it cannot read as such is not idle.
 bool idle_fsdp_hook(const py::handle& module, const py::handle& hook);

@@ -1,4 +1,7 @@
-"""The C++ walk of a module's parameters and buffers (csrc/module_walk.h) against torch's own walk."""
+"""The C++ walks of a module (csrc/module_walk.h) against torch's own walk and against walk_modules_reference,
+the load's walk written out in Python."""
+import functools
+import types
 from collections import OrderedDict
 from collections.abc import Mapping
 
@@ -9,24 +12,30 @@ import torch.nn as nn
 from coalesced_bcast import _C
 from coalesced_bcast.sync import _module_slots, module_states
 
+EXTRA = getattr(nn.modules.module, "_EXTRA_STATE_KEY_SUFFIX", "_extra_state")
 
-def _walk_modules_py(model: nn.Module) -> tuple:
-    """The reference for the load's C++ walk (_C.load_walk, state_dict._walk_modules), in Python, the way
-    state_dict() walks: the state-dict keys that hold a module's extra state, the ids of the model's own
-    parameters and buffers (a _C.IdSet), and the (prefix, module) of each module with load pre-hooks or a
-    _load_from_state_dict defined outside torch."""
-    from coalesced_bcast._load_checks import _from_torch
-    from coalesced_bcast.state_dict import _EXTRA
+
+def _from_torch(fn) -> bool:
+    """Whether a method is torch's own (defined in the torch package)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    where = fn.__module__ if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)) else type(fn).__module__
+    return isinstance(where, str) and (where == "torch" or where.startswith("torch."))
+
+
+def walk_modules_reference(model: nn.Module):
+    """_C.load_walk's result computed in Python, as state_dict() walks: (extra-state keys -> modules, ids of
+    the parameters and buffers, (prefix, module) of each module with load pre-hooks or a
+    _load_from_state_dict defined outside torch)."""
     base = nn.Module.get_extra_state
-    extra: dict = {}
-    owned: set = set()
-    custom: list = []
+    extra, owned, custom = {}, set(), []
 
     def walk(m: nn.Module, prefix: str) -> None:
         owned.update(id(t) for t in m._parameters.values() if t is not None)
         owned.update(id(t) for t in m._buffers.values() if t is not None)
         if type(m).get_extra_state is not base:
-            extra[prefix + _EXTRA] = m
+            extra[prefix + EXTRA] = m
         if getattr(m, "_load_state_dict_pre_hooks", None) or not _from_torch(type(m)._load_from_state_dict):
             custom.append((prefix, m))
         for name, child in m._modules.items():
@@ -139,17 +148,17 @@ class WithExtra(nn.Module):
 
 
 def test_load_walk_is_state_dicts_walk():
-    from coalesced_bcast.state_dict import _EXTRA, _walk_modules
+    from coalesced_bcast.state_dict import _walk_modules
     m = Model()
     shared = WithExtra()
     m.blocks[0].extra = shared
     m.blocks[2].extra = shared  # reached by two paths: two keys, as state_dict() has them
     root = nn.Sequential(m, WithExtra())
-    found = _C.load_walk(root, nn.Module.get_extra_state, _EXTRA)
+    found = _C.load_walk(root, nn.Module.get_extra_state, EXTRA)
     assert found is not None
     extra, owned, custom = found
     assert custom == []  # no load logic of its own anywhere
-    sd_extra = [k for k in root.state_dict() if k.endswith(_EXTRA)]
+    sd_extra = [k for k in root.state_dict() if k.endswith(EXTRA)]
     assert sorted(extra) == sorted(sd_extra) == sorted(["0.blocks.0.extra._extra_state",
                                                         "0.blocks.2.extra._extra_state", "1._extra_state"])
     assert extra["0.blocks.2.extra._extra_state"] is shared
@@ -161,8 +170,23 @@ def test_load_walk_is_state_dicts_walk():
     assert id(other) not in owned and "x" not in owned
     again = _walk_modules(root)
     assert again[0] == extra and again[1].to_set() == owned.to_set()
-    py_extra, py_owned, py_custom = _walk_modules_py(root)  # the reference, walked in Python, agrees
-    assert py_extra == extra and py_owned.to_set() == owned.to_set() and py_custom == custom
+    ref_extra, ref_owned, ref_custom = walk_modules_reference(root)
+    assert ref_extra == extra and ref_owned.to_set() == owned.to_set() and ref_custom == custom
+
+
+class OwnLoader(nn.Linear):
+    def _load_from_state_dict(self, *args, **kwargs):
+        return super()._load_from_state_dict(*args, **kwargs)
+
+
+def test_load_walk_finds_load_logic_of_its_own():
+    m = Model()
+    m.blocks[1].norm._register_load_state_dict_pre_hook(lambda *a, **k: None)
+    m.experts[2]["w1"] = OwnLoader(4, 2)
+    found = _C.load_walk(m, nn.Module.get_extra_state, EXTRA)
+    assert [p for p, _ in found[2]] == ["blocks.1.norm.", "experts.2.w1."]
+    ref = walk_modules_reference(m)
+    assert found[0] == ref[0] and found[1] == ref[1] and found[2] == ref[2]
 
 
 def test_id_set_holds_exactly_its_ids():
@@ -176,12 +200,17 @@ def test_id_set_holds_exactly_its_ids():
     assert 0 not in _C.IdSet([0]) and len(_C.IdSet(())) == 0
 
 
-def test_load_walk_leaves_other_mappings_to_python():
-    from coalesced_bcast.state_dict import _EXTRA, _walk_modules
+def test_load_walk_reads_other_mappings():
+    from coalesced_bcast.state_dict import _walk_modules
     m = Model()
     m.head._buffers = OrderedDict()  # read in C++, as a dict
-    assert _C.load_walk(m, nn.Module.get_extra_state, _EXTRA) == _walk_modules_py(m)
+    assert _C.load_walk(m, nn.Module.get_extra_state, EXTRA) == walk_modules_reference(m)
     m.head._buffers = Frozen({})
-    assert _C.load_walk(m, nn.Module.get_extra_state, _EXTRA) is None
+    m.blocks[0].proj._parameters = Frozen(m.blocks[0].proj._parameters)  # read through .items()
+    found = _C.load_walk(m, nn.Module.get_extra_state, EXTRA)
+    assert found is not None and found == walk_modules_reference(m)
+    assert id(m.embed.weight) in found[1] and id(m.blocks[0].proj.weight) in found[1]
+    m.head._buffers = 3  # not a mapping: no walk
+    assert _C.load_walk(m, nn.Module.get_extra_state, EXTRA) is None
     with pytest.raises(TypeError, match="the module walk cannot read this model"):
         _walk_modules(m)  # the load has one walk, the C++ one: it says why it cannot read this model

@@ -32,7 +32,7 @@ def _walk_modules(model: nn.Module) -> tuple[dict[str, nn.Module], Any, list]:
     found = _C.load_walk(model, nn.Module.get_extra_state, _EXTRA)
     if found is None:
         raise TypeError("the module walk cannot read this model: some module's _modules, _parameters or _buffers "
-                        "is not a dict, or a child's name is not a string")
+                        "is not a mapping, or a child's name is not a string")
     return found
 
 
