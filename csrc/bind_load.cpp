@@ -31,15 +31,16 @@ void bind_load_plans(py::module_& m) {
       "load_plan",
       [](const at::Tensor& units, const py::object& sources, const py::object& dests, const at::Tensor& dest_meta,
          int64_t bucket_bytes, int64_t ring_depth, int64_t rank, int64_t copy_threads, c10::Device device,
-         bool whole_units, bool kept) {
+         bool whole_units, bool kept, bool direct) {
         auto o = load_options(bucket_bytes, ring_depth, rank, device, whole_units);
         o.copy_threads = copy_threads;
         o.kept = kept;
+        o.direct = direct;
         return make_load_plan(units, tensors_of(sources), tensors_of(dests), dest_meta, o);
       },
       py::arg("units"), py::arg("sources"), py::arg("dests"), py::arg("dest_meta"), py::arg("bucket_bytes"),
       py::arg("ring_depth"), py::arg("rank"), py::arg("copy_threads"), py::arg("device"),
-      py::arg("whole_units") = false, py::arg("kept") = false,
+      py::arg("whole_units") = false, py::arg("kept") = false, py::arg("direct") = true,
       "A load's plan: checkpoint tensors (units: dtype, ndim, sizes) streamed into this rank's shards (dests); "
       "sources and dests are lists of tensors or TensorLists, whose tensors the plan takes (they are left empty)");
   py::class_<PendingPlan>(m, "PendingPlan", "A load plan being made on a thread of its own")

@@ -53,13 +53,15 @@ void bind_refit(py::module_& m, py::class_<Plan>& plan) {
       "refit_plan",
       [](const at::Tensor& units, std::vector<at::Tensor> locals, const std::vector<int64_t>& modes,
          int64_t trainer_rank, int64_t trainer_world, int64_t sender, int64_t bucket_bytes, int64_t ring_depth,
-         int64_t rank, c10::Device device, std::vector<std::string> names) {
+         int64_t rank, c10::Device device, std::vector<std::string> names, bool direct) {
+        auto o = load_options(bucket_bytes, ring_depth, rank, device, /*whole_units=*/true);
+        o.direct = direct;
         return make_refit_plan(units, std::move(locals), modes, std::move(names), trainer_rank, trainer_world, sender,
-                               load_options(bucket_bytes, ring_depth, rank, device, /*whole_units=*/true));
+                               o);
       },
       py::arg("units"), py::arg("locals"), py::arg("modes"), py::arg("trainer_rank"), py::arg("trainer_world"),
       py::arg("sender"), py::arg("bucket_bytes"), py::arg("ring_depth"), py::arg("rank"), py::arg("device"),
-      py::arg("names"),
+      py::arg("names"), py::arg("direct") = true,
       "A refit's sending side on one trainer rank: its local tensors (whole on the sender, mode 0, or torch.chunk "
       "rows, mode 1) packed, cast to the units' dtypes, and gathered into the stream the receivers load");
   plan.def(

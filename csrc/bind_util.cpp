@@ -11,10 +11,7 @@
 #include "id_table.h"
 #include "module_attrs.h"
 #include "tensor_list.h"
-#if __has_include("test_hooks.h")
 #include "test_hooks.h"
-#define HAVE_TEST_HOOKS_H 1
-#endif
 
 namespace coalesced_bcast {
 
@@ -39,10 +36,8 @@ void bind_util(py::module_& m) {
   }
   m.def("scalar_type_code", [](at::ScalarType t) { return static_cast<int64_t>(t); });
   m.def("scalar_type_size", [](int64_t code) { return c10::elementSize(static_cast<c10::ScalarType>(code)); });
-#ifdef HAVE_TEST_HOOKS_H
   m.def("_test_refuse_next_host_batch", &test_refuse_next_host_batch, py::arg("refuse"),
         "Test hook: the next batched host read passes arguments the CUDA runtime refuses (csrc/test_hooks.h)");
-#endif
   m.def("set_attribute_names", &set_torch_names, py::arg("names"),
         "The names of torch's private attributes the extension reads, by role "
         "(coalesced_bcast._torch_internals.CPP_NAMES)");
